@@ -1,0 +1,70 @@
+"""One error hierarchy for the engine and its backends.
+
+Each class names the gRPC status the service layer maps it to, by name only:
+nothing below `server/services` imports grpc. Messages are written for the
+user who sent the request and say what to change.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ErrorKind(Enum):
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    UNAVAILABLE = "UNAVAILABLE"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNIMPLEMENTED = "UNIMPLEMENTED"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    CANCELLED = "CANCELLED"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    INTERNAL = "INTERNAL"
+
+
+class ModeldError(Exception):
+    kind = ErrorKind.INTERNAL
+
+
+class InvalidArgument(ModeldError):
+    kind = ErrorKind.INVALID_ARGUMENT
+
+
+class NotFound(ModeldError):
+    kind = ErrorKind.NOT_FOUND
+
+
+class Unavailable(ModeldError):
+    kind = ErrorKind.UNAVAILABLE
+
+
+class ResourceExhausted(ModeldError):
+    kind = ErrorKind.RESOURCE_EXHAUSTED
+
+
+class Unimplemented(ModeldError):
+    kind = ErrorKind.UNIMPLEMENTED
+
+
+class Cancelled(ModeldError):
+    kind = ErrorKind.CANCELLED
+
+
+class DeadlineExceeded(ModeldError):
+    kind = ErrorKind.DEADLINE_EXCEEDED
+
+
+class LoadFailed(ModeldError):
+    """A backend could not load a model; the engine may try the next one."""
+
+    kind = ErrorKind.INVALID_ARGUMENT
+
+
+class BackendFailure(ModeldError):
+    """A transient failure inside a backend's run, not the request's fault.
+
+    The engine retries the request on the next eligible backend and counts
+    the fallback.
+    """
+
+    kind = ErrorKind.INTERNAL

@@ -1,0 +1,293 @@
+"""A model's configuration: parsed once from model.toml or Triton-style JSON.
+
+The result is a frozen dataclass; nothing downstream re-reads the file. Any
+problem raises InvalidArgument with the key at fault, so a bad inline config
+comes back to the client as INVALID_ARGUMENT rather than a stack trace.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from modeld.backends.errors import InvalidArgument
+from modeld.backends.sizes import parse_size
+
+# KServe v2 datatype names; the Triton model-config spelling is TYPE_<name>
+# (with TYPE_STRING for BYTES).
+DATATYPES = (
+    "BOOL", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32",
+    "UINT64", "FP16", "FP32", "FP64", "BYTES", "BF16",
+)
+
+MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+
+class ModelFormat(Enum):
+    ONNX = "onnx"
+    GGUF = "gguf"
+
+
+DEFAULT_ARTIFACTS = {ModelFormat.ONNX: "model.onnx", ModelFormat.GGUF: "model.gguf"}
+
+# Triton `backend` / `platform` values that mean "an ONNX graph".
+_TRITON_ONNX_NAMES = {"onnxruntime", "onnxruntime_onnx", "onnx"}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]  # -1 marks a variable dimension, batch included
+
+
+@dataclass(frozen=True)
+class TextSpec:
+    """Tokenize a BYTES input inside the server before the graph runs."""
+
+    tokenizer: str
+    input: str = "text"
+    max_length: int = 256
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    format: ModelFormat = ModelFormat.ONNX
+    backends: tuple[str, ...] = ()  # preference order; empty means by priority
+    artifact: str = ""
+    max_batch_size: int = 0  # 0: the model takes whole tensors, no batching
+    max_queue_delay_us: int = 0
+    max_queue_size: int = 1024
+    memory_estimate: int | None = None
+    warmup: bool = False
+    pinned: bool = False
+    lazy_load: bool | None = None  # None: follow the daemon's setting
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+    text: TextSpec | None = None
+    backend_options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def artifact_path(self) -> str:
+        return self.artifact or DEFAULT_ARTIFACTS[self.format]
+
+    @property
+    def is_batched(self) -> bool:
+        return self.max_batch_size > 0
+
+
+def validate_model_name(name: str) -> str:
+    if not isinstance(name, str) or not MODEL_NAME_RE.match(name) or ".." in name:
+        raise InvalidArgument(
+            f"invalid model name {name!r}: use 1-128 letters, digits, '_', '-' or '.', "
+            "starting with a letter or digit, without '..' or path separators"
+        )
+    return name
+
+
+def load_model_toml(name: str, path: Path) -> ModelConfig:
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"model {name!r}: {path.name} is not valid TOML: {exc}") from exc
+    return config_from_dict(name, raw)
+
+
+def config_from_json(name: str, text: str) -> ModelConfig:
+    """Parse an inline config as tritonclient's load_model(config=...) sends it."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"model {name!r}: inline config is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise InvalidArgument(f"model {name!r}: inline config must be a JSON object")
+    return config_from_dict(name, _triton_to_native(raw))
+
+
+_KNOWN_KEYS = {
+    "format", "backends", "artifact", "batching", "memory_estimate", "warmup",
+    "pinned", "lazy_load", "inputs", "outputs", "text", "name", "onnx", "llamacpp",
+    "torch", "reference",
+}
+
+
+def config_from_dict(name: str, raw: dict[str, Any]) -> ModelConfig:
+    validate_model_name(name)
+    unknown = set(raw) - _KNOWN_KEYS
+    if unknown:
+        raise InvalidArgument(
+            f"model {name!r}: unknown config keys {sorted(unknown)}; known keys are {sorted(_KNOWN_KEYS)}"
+        )
+    if "name" in raw and raw["name"] != name:
+        raise InvalidArgument(f"model {name!r}: config names a different model {raw['name']!r}")
+    reader = _Reader(name, raw)
+    batching = reader.table("batching")
+    return ModelConfig(
+        name=name,
+        format=reader.enum("format", ModelFormat, ModelFormat.ONNX),
+        backends=tuple(reader.str_list("backends")),
+        artifact=_safe_relative(name, reader.str("artifact", "")),
+        max_batch_size=_Reader(name, batching, "batching.").int("max_batch_size", 0, minimum=0),
+        max_queue_delay_us=_Reader(name, batching, "batching.").int("max_queue_delay_us", 0, minimum=0),
+        max_queue_size=_Reader(name, batching, "batching.").int("max_queue_size", 1024, minimum=1),
+        memory_estimate=reader.size("memory_estimate"),
+        warmup=reader.bool("warmup", False),
+        pinned=reader.bool("pinned", False),
+        lazy_load=reader.bool("lazy_load", None),
+        inputs=tuple(_tensor_specs(name, raw.get("inputs", []), "inputs")),
+        outputs=tuple(_tensor_specs(name, raw.get("outputs", []), "outputs")),
+        text=_text_spec(name, reader.table("text")),
+        backend_options={k: dict(raw[k]) for k in ("onnx", "llamacpp", "torch", "reference") if k in raw},
+    )
+
+
+class _Reader:
+    """Typed access to one TOML/JSON table with errors that name the key."""
+
+    def __init__(self, model: str, raw: dict[str, Any], prefix: str = "") -> None:
+        self.model, self.raw, self.prefix = model, raw, prefix
+
+    def _fail(self, key: str, want: str) -> InvalidArgument:
+        return InvalidArgument(
+            f"model {self.model!r}: config key {self.prefix}{key} must be {want}, got {self.raw[key]!r}"
+        )
+
+    def table(self, key: str) -> dict[str, Any]:
+        value = self.raw.get(key, {})
+        if not isinstance(value, dict):
+            raise self._fail(key, "a table")
+        return value
+
+    def str(self, key: str, default: str) -> str:
+        value = self.raw.get(key, default)
+        if not isinstance(value, str):
+            raise self._fail(key, "a string")
+        return value
+
+    def str_list(self, key: str) -> list[str]:
+        value = self.raw.get(key, [])
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self._fail(key, "a list of strings")
+        return value
+
+    def int(self, key: str, default: int, minimum: int | None = None) -> int:
+        value = self.raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+            raise self._fail(key, f"an integer >= {minimum}" if minimum is not None else "an integer")
+        return value
+
+    def bool(self, key: str, default: bool | None) -> bool | None:
+        value = self.raw.get(key, default)
+        if value is not None and not isinstance(value, bool):
+            raise self._fail(key, "true or false")
+        return value
+
+    def size(self, key: str) -> int | None:
+        if key not in self.raw:
+            return None
+        try:
+            return parse_size(self.raw[key])
+        except ValueError as exc:
+            raise self._fail(key, "a size such as 120MiB or a byte count") from exc
+
+    def enum(self, key: str, enum: type[Enum], default: Enum) -> Any:
+        value = self.raw.get(key, default.value)
+        try:
+            return enum(value)
+        except ValueError:
+            raise self._fail(key, "one of " + ", ".join(m.value for m in enum)) from None
+
+
+def _safe_relative(model: str, path: str) -> str:
+    if not path:
+        return path
+    if "\x00" in path or path.startswith(("/", "\\")) or ".." in Path(path).parts:
+        raise InvalidArgument(f"model {model!r}: artifact path {path!r} must stay inside the model folder")
+    return path
+
+
+def _tensor_specs(model: str, items: Any, key: str) -> list[TensorSpec]:
+    if not isinstance(items, list):
+        raise InvalidArgument(f"model {model!r}: config key {key} must be a list of tensors")
+    specs = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise InvalidArgument(f"model {model!r}: each entry of {key} needs a string 'name'")
+        datatype = item.get("datatype", "")
+        if datatype not in DATATYPES:
+            raise InvalidArgument(
+                f"model {model!r}: {key} tensor {item['name']!r} has datatype {datatype!r}; use one of {', '.join(DATATYPES)}"
+            )
+        shape = item.get("shape", [])
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= -1 for d in shape):
+            raise InvalidArgument(f"model {model!r}: {key} tensor {item['name']!r} shape must be a list of integers >= -1")
+        specs.append(TensorSpec(item["name"], datatype, tuple(shape)))
+    return specs
+
+
+def _text_spec(model: str, raw: dict[str, Any]) -> TextSpec | None:
+    if not raw:
+        return None
+    reader = _Reader(model, raw, "text.")
+    return TextSpec(
+        tokenizer=_safe_relative(model, reader.str("tokenizer", "tokenizer.json")),
+        input=reader.str("input", "text"),
+        max_length=reader.int("max_length", 256, minimum=1),
+    )
+
+
+def _triton_to_native(raw: dict[str, Any]) -> dict[str, Any]:
+    """Map the Triton model-config keys modeld understands onto ours.
+
+    Keys already in our own spelling pass through, so one JSON may mix both.
+    """
+    out = {k: v for k, v in raw.items() if k in _KNOWN_KEYS}
+    triton_backend = raw.get("backend") or raw.get("platform")
+    if triton_backend is not None:
+        if triton_backend not in _TRITON_ONNX_NAMES:
+            raise InvalidArgument(
+                f"Triton backend/platform {triton_backend!r} is not served by modeld; "
+                f"use one of {sorted(_TRITON_ONNX_NAMES)} or set 'format'"
+            )
+        out.setdefault("format", "onnx")
+    batching = dict(out.get("batching", {}))
+    max_batch = raw.get("max_batch_size", 0)
+    if "max_batch_size" in raw:
+        batching["max_batch_size"] = max_batch
+    dyn = raw.get("dynamic_batching")
+    if isinstance(dyn, dict) and "max_queue_delay_microseconds" in dyn:
+        batching["max_queue_delay_us"] = _as_int(dyn["max_queue_delay_microseconds"])
+    if batching:
+        out["batching"] = batching
+    for triton_key, ours in (("input", "inputs"), ("output", "outputs")):
+        if triton_key in raw:
+            out[ours] = [_triton_tensor(t, batched=isinstance(max_batch, int) and max_batch > 0) for t in raw[triton_key]]
+    # Triton configs carry many scheduling keys modeld has no use for
+    # (instance_group, optimization, ...); they don't change results, so they
+    # are accepted and dropped rather than refused.
+    return out
+
+
+def _as_int(value: Any) -> Any:
+    # Protobuf-JSON renders 64-bit integers as strings.
+    if isinstance(value, str) and value.lstrip("-").isdigit():
+        return int(value)
+    return value
+
+
+def _triton_tensor(item: Any, batched: bool) -> dict[str, Any]:
+    if not isinstance(item, dict):
+        return item
+    dtype = str(item.get("data_type", item.get("datatype", "")))
+    dtype = dtype.removeprefix("TYPE_")
+    dtype = "BYTES" if dtype == "STRING" else dtype
+    dims = [_as_int(d) for d in item.get("dims", item.get("shape", []))]
+    return {"name": item.get("name"), "datatype": dtype, "shape": ([-1] if batched else []) + dims}

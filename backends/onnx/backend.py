@@ -1,0 +1,96 @@
+"""ONNX Runtime backend: the fast path for tensor models.
+
+Uses the CPU execution provider, and the CUDA or TensorRT providers first
+when the installed onnxruntime build has them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from modeld.backends.base import Backend, Capability, Verdict
+from modeld.backends.dtypes import DATATYPE_BY_ORT, shape_from_dims
+from modeld.backends.errors import BackendFailure, InvalidArgument, LoadFailed
+from modeld.backends.model_config import ModelConfig, ModelFormat, TensorSpec
+from modeld.backends.tensor_model import GraphModel, process_rss
+
+_PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+
+
+class OnnxBackend(Backend):
+    name = "onnx"
+    priority = 100
+    capabilities = frozenset({Capability.TENSOR_INFERENCE, Capability.DYNAMIC_BATCHING})
+
+    def availability(self) -> Verdict:
+        try:
+            import onnxruntime  # noqa: F401
+        except ImportError as exc:
+            return Verdict.no(f"onnxruntime is not installed: {exc}")
+        return Verdict.yes()
+
+    def providers(self) -> list[str]:
+        import onnxruntime as ort
+
+        available = set(ort.get_available_providers())
+        return [p for p in _PREFERRED_PROVIDERS if p in available]
+
+    def can_serve(self, config: ModelConfig, model_dir: Path) -> Verdict:
+        if config.format is not ModelFormat.ONNX:
+            return Verdict.no(f"onnx serves ONNX graphs, not {config.format.value}")
+        if not (model_dir / config.artifact_path).is_file():
+            return Verdict.no(f"model file {config.artifact_path!r} is missing")
+        return Verdict.yes()
+
+    def load(self, config: ModelConfig, model_dir: Path) -> OnnxModel:
+        return OnnxModel(config, model_dir, self.providers())
+
+
+class OnnxModel(GraphModel):
+    def __init__(self, config: ModelConfig, model_dir: Path, providers: list[str]) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        opts = config.backend_options.get("onnx", {})
+        options.intra_op_num_threads = int(opts.get("intra_op_threads", 0))
+        options.inter_op_num_threads = int(opts.get("inter_op_threads", 0))
+        options.log_severity_level = 3
+        path = model_dir / config.artifact_path
+        rss_before = process_rss()
+        try:
+            self._session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+        except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/...
+            raise LoadFailed(f"onnxruntime cannot load {config.artifact_path!r}: {_first_line(exc)}") from exc
+        # Weights are at least the file; the session's arenas and pre-packed
+        # weights show up as resident growth during the load (loads are
+        # serialised by the engine, so the growth is this model's).
+        self.nbytes = max(path.stat().st_size, process_rss() - rss_before)
+        self.providers = tuple(self._session.get_providers())
+        graph_in = tuple(_spec(a) for a in self._session.get_inputs())
+        graph_out = tuple(_spec(a) for a in self._session.get_outputs())
+        super().__init__(config, model_dir, graph_in, graph_out)
+
+    def _run(self, feeds: dict[str, np.ndarray], output_names: tuple[str, ...]) -> dict[str, np.ndarray]:
+        import onnxruntime as ort
+
+        try:
+            results = self._session.run(list(output_names), feeds)
+        except (ort.capi.onnxruntime_pybind11_state.InvalidArgument, ort.capi.onnxruntime_pybind11_state.InvalidGraph) as exc:
+            raise InvalidArgument(f"the model rejected the input: {_first_line(exc)}") from exc
+        except Exception as exc:
+            raise BackendFailure(f"onnxruntime failed while running: {_first_line(exc)}") from exc
+        return dict(zip(output_names, results))
+
+    def unload(self) -> None:
+        self._session = None
+
+
+def _spec(arg) -> TensorSpec:
+    return TensorSpec(arg.name, DATATYPE_BY_ORT.get(arg.type, arg.type), shape_from_dims(list(arg.shape)))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,70 @@
+"""The backend registry: names map to import paths, imported on first use.
+
+Importing the daemon must not import torch or llama_cpp, so each backend's
+module is only imported when the registry is asked for it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from modeld.backends.base import Backend, Verdict
+from modeld.backends.errors import InvalidArgument
+
+# name -> "module:Class"
+BACKENDS: dict[str, str] = {
+    "onnx": "modeld.backends.onnx.backend:OnnxBackend",
+    "reference": "modeld.backends.reference.backend:ReferenceBackend",
+}
+
+
+@dataclass(frozen=True)
+class RegisteredBackend:
+    name: str
+    backend: Backend | None
+    availability: Verdict
+
+
+class BackendRegistry:
+    def __init__(self, names: list[str] | None = None) -> None:
+        self._entries: dict[str, RegisteredBackend] = {}
+        for name in names or list(BACKENDS):
+            self._entries[name] = _instantiate(name)
+
+    def get(self, name: str) -> Backend:
+        entry = self._entries.get(name)
+        if entry is None:
+            raise InvalidArgument(f"unknown backend {name!r}; known backends: {', '.join(sorted(BACKENDS))}")
+        if entry.backend is None:
+            raise InvalidArgument(f"backend {name!r} is not available here: {entry.availability.reason}")
+        return entry.backend
+
+    def entries(self) -> list[RegisteredBackend]:
+        return list(self._entries.values())
+
+    def available(self) -> list[Backend]:
+        """Usable backends, highest priority first."""
+        usable = [e.backend for e in self._entries.values() if e.backend is not None]
+        return sorted(usable, key=lambda b: -b.priority)
+
+    def candidates(self, preferred: tuple[str, ...]) -> list[Backend]:
+        """The order to try backends in: the model's preference, else priority."""
+        if not preferred:
+            return self.available()
+        for name in preferred:
+            if name not in BACKENDS:
+                raise InvalidArgument(f"unknown backend {name!r}; known backends: {', '.join(sorted(BACKENDS))}")
+        return [self._entries[n].backend for n in preferred if n in self._entries and self._entries[n].backend]
+
+
+def _instantiate(name: str) -> RegisteredBackend:
+    if name not in BACKENDS:
+        raise InvalidArgument(f"unknown backend {name!r}; known backends: {', '.join(sorted(BACKENDS))}")
+    module_name, class_name = BACKENDS[name].split(":")
+    try:
+        backend = getattr(importlib.import_module(module_name), class_name)()
+    except ImportError as exc:
+        return RegisteredBackend(name, None, Verdict.no(f"cannot import {module_name}: {exc}"))
+    verdict = backend.availability()
+    return RegisteredBackend(name, backend if verdict.ok else None, verdict)

@@ -1,0 +1,137 @@
+"""The daemon: engine, gRPC server, health, reflection, metrics, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import tempfile
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+from prometheus_client import start_http_server
+
+from modeld.backends.errors import ModeldError
+from modeld.backends.registry import BackendRegistry
+from modeld.backends.sizes import format_size
+from modeld.gen import _pool, inference_pb2, inference_pb2_grpc
+from modeld.server.config import Settings
+from modeld.server.engine import Engine
+from modeld.server.lifecycle import Lifecycle
+from modeld.server.memory import MemoryManager
+from modeld.server.metrics import Metrics
+from modeld.server.repository import ModelRepository
+from modeld.server.requests import ModelState
+from modeld.server.services.inference import InferenceService
+
+log = structlog.get_logger("modeld.daemon")
+
+_HEALTH_BY_STATE = {ModelState.READY: health_pb2.HealthCheckResponse.SERVING}
+
+
+def _reflection_pool():
+    # Reflection reads one pool: ours, holding the inference service, plus
+    # copies of the health and reflection files from the default pool.
+    for file in (health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR):
+        try:
+            _pool.POOL.FindFileByName(file.name)
+        except KeyError:
+            _pool.POOL.AddSerializedFile(file.serialized_pb)
+    return _pool.POOL
+
+
+class Daemon:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.lifecycle = Lifecycle()
+        self.metrics = Metrics()
+        self._inline_dir = tempfile.TemporaryDirectory(prefix="modeld-inline-")
+        self.registry = BackendRegistry()
+        self.engine = Engine(
+            ModelRepository(settings.model_repository, Path(self._inline_dir.name)),
+            self.registry, MemoryManager(settings.memory_budget), self.metrics, settings.lazy_load,
+        )
+        self.health = health.aio.HealthServicer()
+        self.engine.add_listener(self._on_model_state)
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self.metrics_port = 0
+        self._stopped = asyncio.Event()
+
+    def _on_model_state(self, name: str, state: ModelState) -> None:
+        status = _HEALTH_BY_STATE.get(state, health_pb2.HealthCheckResponse.NOT_SERVING)
+        asyncio.get_running_loop().create_task(self.health.set(name, status))
+
+    async def start(self) -> int:
+        s = self.settings
+        options = [
+            ("grpc.max_receive_message_length", s.max_message_bytes),
+            ("grpc.max_send_message_length", s.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.server = grpc.aio.server(options=options)
+        inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+            InferenceService(self.engine, self.lifecycle), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+             health.SERVICE_NAME, reflection.SERVICE_NAME],
+            self.server, pool=_reflection_pool())
+        self.port = self.server.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {s.host}:{s.grpc_port}")
+        await self.server.start()
+        self._start_metrics()
+        for name in self.engine.repository.names():
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        log.info("daemon_started", host=s.host, grpc_port=self.port, metrics_port=self.metrics_port,
+                 memory_budget=format_size(s.memory_budget), memory_budget_bytes=s.memory_budget,
+                 backends={e.name: (e.availability.reason or "available") for e in self.registry.entries()})
+        if s.preload:
+            await self._preload()
+        return self.port
+
+    def _start_metrics(self) -> None:
+        if self.settings.metrics_port < 0:
+            return
+        server, _thread = start_http_server(self.settings.metrics_port, addr=self.settings.host,
+                                            registry=self.metrics.registry)
+        self.metrics_port = server.server_port
+        self._metrics_server = server
+
+    async def _preload(self) -> None:
+        for name in self.engine.repository.names():
+            try:
+                await self.engine.load(name)
+            except ModeldError as exc:
+                log.warning("preload_skipped", model=name, reason=str(exc))
+
+    async def stop(self) -> None:
+        """Health NOT_SERVING first, refuse new calls, let calls in flight finish."""
+        if self.lifecycle.is_draining:
+            await self._stopped.wait()
+            return
+        self.lifecycle.is_draining = True
+        log.info("daemon_draining", grace_s=self.settings.shutdown_grace_s)
+        await self.health.enter_graceful_shutdown()
+        await asyncio.sleep(self.settings.drain_delay_s)
+        if self.server is not None:
+            await self.server.stop(self.settings.shutdown_grace_s)
+        await self.engine.stop()
+        if getattr(self, "_metrics_server", None) is not None:
+            self._metrics_server.shutdown()
+        self._inline_dir.cleanup()
+        log.info("daemon_stopped")
+        self._stopped.set()
+
+    async def run_until_signalled(self) -> None:
+        loop = asyncio.get_running_loop()
+        stop_requested = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop_requested.set)
+        await self.start()
+        await stop_requested.wait()
+        await self.stop()

@@ -1,0 +1,189 @@
+"""Dynamic batching for tensor models, with Triton's semantics.
+
+Requests whose inputs agree in names, datatypes and every dimension but the
+first are concatenated along dimension 0 (up to `max_batch_size` rows), run
+as one backend call, and split back. While one batch runs, the next one
+forms, so a busy model batches without any added delay; `max_queue_delay_us`
+lets an idle model wait a little for company. A request whose client has gone
+is dropped before it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import anyio
+import numpy as np
+
+from modeld.backends.errors import InvalidArgument, ModeldError, ResourceExhausted
+
+Execute = Callable[[dict[str, np.ndarray], tuple[str, ...]], dict[str, np.ndarray]]
+
+
+@dataclass
+class _Pending:
+    inputs: dict[str, np.ndarray]
+    output_names: tuple[str, ...]
+    future: asyncio.Future
+    enqueued_ns: int = field(default_factory=time.perf_counter_ns)
+
+    @property
+    def num_rows(self) -> int:
+        first = next(iter(self.inputs.values()))
+        return first.shape[0] if first.ndim else 1
+
+    def merge_key(self) -> tuple:
+        return (self.output_names,) + tuple(
+            (name, arr.dtype.str, arr.shape[1:]) for name, arr in self.inputs.items()
+        )
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    batch_size: int  # rows
+    num_requests: int
+    compute_ns: int
+    queue_ns: tuple[int, ...]  # per request
+
+
+class DynamicBatcher:
+    def __init__(self, execute: Execute, max_batch_size: int, max_queue_delay_us: int = 0,
+                 max_queue_size: int = 1024, on_batch: Callable[[BatchReport], None] | None = None) -> None:
+        self._execute = execute
+        self.max_batch_size = max_batch_size
+        self.max_queue_delay_s = max_queue_delay_us / 1e6
+        self.max_queue_size = max_queue_size
+        self._on_batch = on_batch
+        self._queue: deque[_Pending] = deque()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queue)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        """Finish everything already queued, then end the loop."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._task is not None:
+            await self._task
+
+    async def submit(self, inputs: dict[str, np.ndarray], output_names: tuple[str, ...]) -> dict[str, np.ndarray]:
+        if len(self._queue) >= self.max_queue_size:
+            raise ResourceExhausted(
+                f"the model's queue is full ({self.max_queue_size} requests waiting); retry later"
+            )
+        pending = _Pending(inputs, output_names, asyncio.get_running_loop().create_future())
+        if self.max_batch_size and pending.num_rows > self.max_batch_size:
+            raise InvalidArgument(
+                f"batch of {pending.num_rows} exceeds the model's max_batch_size {self.max_batch_size}"
+            )
+        self._queue.append(pending)
+        self._wakeup.set()
+        return await pending.future
+
+    async def _loop(self) -> None:
+        while True:
+            if not self._queue:
+                if self._stopping:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch = await self._form_batch()
+            if batch:
+                await self._run(batch)
+
+    async def _form_batch(self) -> list[_Pending]:
+        first = self._queue.popleft()
+        if first.future.done():  # cancelled by its client while waiting
+            return []
+        batch, rows = [first], first.num_rows
+        if not self.max_batch_size:
+            return batch
+        deadline = time.monotonic() + self.max_queue_delay_s
+        key = first.merge_key()
+        while rows < self.max_batch_size:
+            taken = self._take_compatible(key, self.max_batch_size - rows)
+            if taken is not None:
+                batch.append(taken)
+                rows += taken.num_rows
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._stopping:
+                break
+            self._wakeup.clear()
+            with anyio.move_on_after(remaining):
+                await self._wakeup.wait()
+        return batch
+
+    def _take_compatible(self, key: tuple, room: int) -> _Pending | None:
+        for index, item in enumerate(self._queue):
+            if item.future.done():
+                del self._queue[index]
+                return self._take_compatible(key, room)
+            if item.merge_key() == key and item.num_rows <= room:
+                del self._queue[index]
+                return item
+        return None
+
+    async def _run(self, batch: list[_Pending]) -> None:
+        start = time.perf_counter_ns()
+        try:
+            results = await self._execute_merged(batch)
+        except ModeldError as exc:
+            if len(batch) == 1:
+                _settle(batch[0], exc)
+                return
+            # One bad request must not fail its neighbours: run each alone.
+            for item in batch:
+                await self._run([item])
+            return
+        except Exception as exc:  # a bug in a backend: fail these requests, keep serving
+            for item in batch:
+                _settle(item, exc)
+            return
+        compute_ns = time.perf_counter_ns() - start
+        for item, result in zip(batch, results):
+            _settle(item, result)
+        if self._on_batch is not None:
+            self._on_batch(BatchReport(
+                sum(i.num_rows for i in batch), len(batch), compute_ns,
+                tuple(start - i.enqueued_ns for i in batch),
+            ))
+
+    async def _execute_merged(self, batch: list[_Pending]) -> list[dict[str, np.ndarray]]:
+        names = batch[0].output_names
+        if len(batch) == 1:
+            return [await anyio.to_thread.run_sync(self._execute, batch[0].inputs, names)]
+        merged = {name: np.concatenate([b.inputs[name] for b in batch]) for name in batch[0].inputs}
+        outputs = await anyio.to_thread.run_sync(self._execute, merged, names)
+        return split_outputs(outputs, [b.num_rows for b in batch])
+
+
+def split_outputs(outputs: dict[str, np.ndarray], rows: list[int]) -> list[dict[str, np.ndarray]]:
+    """Cut a merged batch's outputs back into per-request pieces along dim 0."""
+    total = sum(rows)
+    for name, array in outputs.items():
+        if array.ndim == 0 or array.shape[0] != total:
+            raise InvalidArgument(f"output {name!r} has no batch dimension of {total}; cannot split the batch")
+    bounds = np.cumsum([0] + rows)
+    return [{name: arr[bounds[i]:bounds[i + 1]] for name, arr in outputs.items()} for i in range(len(rows))]
+
+
+def _settle(item: _Pending, outcome: object) -> None:
+    if item.future.done():
+        return
+    if isinstance(outcome, BaseException):
+        item.future.set_exception(outcome)
+    else:
+        item.future.set_result(outcome)

@@ -1,0 +1,131 @@
+"""Daemon settings: flags override MODELD_* environment variables, which
+override an optional TOML file, which overrides the defaults.
+
+Validated once at start-up into a frozen dataclass; a bad value stops the
+daemon with a message naming the setting and where it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from modeld.backends.sizes import format_size, parse_size
+
+DEFAULT_BUDGET_FRACTION = 0.5
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def default_memory_budget() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().total * DEFAULT_BUDGET_FRACTION)
+
+
+@dataclass(frozen=True)
+class Settings:
+    model_repository: Path | None = Path("models")
+    host: str = "127.0.0.1"
+    grpc_port: int = 8001
+    metrics_port: int = 8002  # -1 turns the metrics endpoint off
+    memory_budget: int = 0  # 0: DEFAULT_BUDGET_FRACTION of physical memory
+    lazy_load: bool = True
+    preload: bool = True  # load every repository model that fits at start
+    max_message_bytes: int = 256 * 1024**2
+    shutdown_grace_s: float = 10.0
+    drain_delay_s: float = 0.5  # NOT_SERVING is visible this long before the port closes
+    log_level: str = "info"
+    log_format: str = "json"
+
+    def describe(self) -> str:
+        return (f"repository={self.model_repository} grpc={self.host}:{self.grpc_port} "
+                f"metrics_port={self.metrics_port} memory_budget={format_size(self.memory_budget)}")
+
+
+_PARSERS = {
+    "model_repository": lambda v: Path(v) if v not in ("", None) else None,
+    "host": str,
+    "grpc_port": int,
+    "metrics_port": int,
+    "memory_budget": parse_size,
+    "lazy_load": lambda v: _parse_bool(v),
+    "preload": lambda v: _parse_bool(v),
+    "max_message_bytes": parse_size,
+    "shutdown_grace_s": float,
+    "drain_delay_s": float,
+    "log_level": str,
+    "log_format": str,
+}
+
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+def load_settings(flags: dict[str, Any], environ: dict[str, str] | None = None,
+                  config_file: Path | None = None) -> Settings:
+    environ = os.environ if environ is None else environ
+    values: dict[str, tuple[Any, str]] = {}
+    config_file = config_file or (Path(environ["MODELD_CONFIG"]) if environ.get("MODELD_CONFIG") else None)
+    if config_file is not None:
+        for key, value in _read_toml(config_file).items():
+            values[key] = (value, f"{config_file}")
+    for key in _PARSERS:
+        env_key = f"MODELD_{key.upper()}"
+        if env_key in environ:
+            values[key] = (environ[env_key], f"${env_key}")
+    for key, value in flags.items():
+        if value is not None:
+            values[key] = (value, f"--{key.replace('_', '-')}")
+    parsed = {}
+    for key, (value, origin) in values.items():
+        if key not in _PARSERS:
+            raise ConfigError(f"unknown setting {key!r} in {origin}; known settings: {', '.join(_PARSERS)}")
+        try:
+            parsed[key] = _PARSERS[key](value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"invalid {key} {value!r} from {origin}: {exc}") from None
+    settings = Settings(**parsed)
+    if not settings.memory_budget:
+        settings = dataclasses.replace(settings, memory_budget=default_memory_budget())
+    _validate(settings)
+    return settings
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    return data.get("modeld", data)
+
+
+def _validate(s: Settings) -> None:
+    if not 0 <= s.grpc_port <= 65535:
+        raise ConfigError(f"grpc_port {s.grpc_port} must be 0..65535 (0 picks a free port)")
+    if not -1 <= s.metrics_port <= 65535:
+        raise ConfigError(f"metrics_port {s.metrics_port} must be -1 (off) or 0..65535")
+    if s.model_repository is not None and not s.model_repository.is_dir():
+        raise ConfigError(f"model repository {s.model_repository} is not a directory")
+    if s.max_message_bytes < 1024 or s.max_message_bytes >= 2**31:
+        raise ConfigError("max_message_bytes must be between 1KiB and 2GiB (protobuf's limit)")
+    if s.shutdown_grace_s < 0 or s.drain_delay_s < 0:
+        raise ConfigError("shutdown_grace_s and drain_delay_s must not be negative")
+    if s.log_format not in ("json", "console"):
+        raise ConfigError(f"log_format {s.log_format!r} must be json or console")

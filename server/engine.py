@@ -1,0 +1,351 @@
+"""The engine: finds a model, loads it on the right backend inside the memory
+budget, batches and runs requests, and falls back when a backend fails.
+
+Knows nothing of gRPC. All state changes happen on the event loop; blocking
+backend work runs in worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import anyio
+import numpy as np
+import structlog
+
+from modeld.backends.base import Backend, Capability, LoadedModel
+from modeld.backends.errors import (
+    BackendFailure, InvalidArgument, LoadFailed, ModeldError, NotFound, ResourceExhausted, Unavailable, Unimplemented,
+)
+from modeld.backends.model_config import ModelConfig
+from modeld.backends.registry import BackendRegistry
+from modeld.server.batcher import BatchReport, DynamicBatcher
+from modeld.server.memory import MemoryManager
+from modeld.server.metrics import Metrics
+from modeld.server.repository import ModelRepository, ModelSource
+from modeld.server.requests import InferRequest, InferResult, ModelState, ModelStatus
+from modeld.server.stats import ModelStats
+from modeld.server.validation import validate_inputs, warmup_inputs
+
+log = structlog.get_logger("modeld.engine")
+
+MODEL_VERSION = "1"
+
+_CAPABILITY_HINTS = {
+    Capability.SEQUENCE_BATCHING: "stateful sequences (sequence_id) are not supported; send each request on its own",
+    Capability.SHARED_MEMORY: "shared-memory tensors are not supported; send tensor data in raw_input_contents",
+    Capability.GENERATION: "use a language model for generation",
+}
+
+
+@dataclass
+class ServedModel:
+    config: ModelConfig
+    source: ModelSource
+    backend: Backend
+    loaded: LoadedModel
+    batcher: DynamicBatcher
+    stats: ModelStats = field(default_factory=ModelStats)
+
+    @property
+    def key(self) -> str:
+        return f"{self.backend.name}/{self.config.name}"
+
+
+StateListener = Callable[[str, ModelState], None]
+
+
+class Engine:
+    def __init__(self, repository: ModelRepository, registry: BackendRegistry, memory: MemoryManager,
+                 metrics: Metrics, lazy_load: bool = True) -> None:
+        self.repository = repository
+        self.registry = registry
+        self.memory = memory
+        self.metrics = metrics
+        self.lazy_load = lazy_load
+        self._served: dict[str, ServedModel] = {}
+        self._loading: dict[str, asyncio.Task] = {}
+        self._unloading: set[str] = set()
+        self._failures: dict[str, str] = {}
+        self._stats: dict[str, ModelStats] = {}
+        # Accounting and unload/evict decisions happen under this lock.
+        self._memory_lock = asyncio.Lock()
+        # Loads run one at a time so a backend's measured RSS growth is its own.
+        self._load_lock = asyncio.Lock()
+        self._listeners: list[StateListener] = []
+        metrics.budget_bytes.set(memory.budget)
+
+    # -- state ---------------------------------------------------------------
+
+    def add_listener(self, listener: StateListener) -> None:
+        self._listeners.append(listener)
+
+    def _notify(self, name: str, state: ModelState) -> None:
+        for listener in self._listeners:
+            listener(name, state)
+
+    def state_of(self, name: str) -> ModelState:
+        if name in self._unloading:
+            return ModelState.UNLOADING
+        if name in self._served:
+            return ModelState.READY
+        if name in self._loading:
+            return ModelState.LOADING
+        return ModelState.UNAVAILABLE
+
+    def statuses(self) -> list[ModelStatus]:
+        names = sorted(set(self.repository.names()) | set(self._served) | set(self._loading))
+        return [self._status(n) for n in names]
+
+    def _status(self, name: str) -> ModelStatus:
+        served = self._served.get(name)
+        return ModelStatus(
+            name, MODEL_VERSION, self.state_of(name), self._failures.get(name, ""),
+            served.backend.name if served else "", served.loaded.nbytes if served else 0,
+        )
+
+    def served(self, name: str) -> ServedModel | None:
+        return self._served.get(name)
+
+    def stats(self, name: str) -> ModelStats:
+        return self._stats.setdefault(name, ModelStats())
+
+    def check_version(self, name: str, version: str) -> None:
+        if version not in ("", MODEL_VERSION):
+            raise NotFound(f"model {name!r} has no version {version!r}; it has version {MODEL_VERSION}")
+
+    # -- loading -------------------------------------------------------------
+
+    async def load(self, name: str, source: ModelSource | None = None) -> ServedModel:
+        """Load a model; concurrent loads of the same model share one load.
+
+        With `source` (an inline model) an already loaded model is replaced.
+        """
+        if name in self._loading:
+            return await asyncio.shield(self._loading[name])
+        if source is None and name in self._served:
+            return self._served[name]
+        task = asyncio.get_running_loop().create_task(self._load(name, source))
+        self._loading[name] = task
+        task.add_done_callback(lambda done: self._load_finished(name, done))
+        self._notify(name, ModelState.LOADING)
+        return await asyncio.shield(task)
+
+    def _load_finished(self, name: str, task: asyncio.Task) -> None:
+        if self._loading.get(name) is task:
+            del self._loading[name]
+        if not task.cancelled():
+            task.exception()  # marks it retrieved even when every waiter left
+        self._notify(name, self.state_of(name))
+
+    async def _load(self, name: str, source: ModelSource | None) -> ServedModel:
+        source = source or self.repository.resolve(name)
+        if name in self._served:
+            await self.unload(name, forget_inline=False)
+        reasons: list[str] = []
+        for backend in self.registry.candidates(source.config.backends):
+            verdict = backend.can_serve(source.config, source.model_dir)
+            if not verdict.ok:
+                reasons.append(f"{backend.name}: {verdict.reason}")
+                continue
+            try:
+                served = await self._load_on(backend, source)
+            except LoadFailed as exc:
+                reasons.append(f"{backend.name}: {exc}")
+                self.metrics.fallbacks.labels(name, backend.name, "load").inc()
+                log.warning("backend_load_failed", model=name, backend=backend.name, reason=str(exc))
+                continue
+            self._failures.pop(name, None)
+            self.metrics.loads.labels(name, "ok").inc()
+            return served
+        self.metrics.loads.labels(name, "failed").inc()
+        reason = "; ".join(reasons) or "no backend is available for its format"
+        self._failures[name] = reason
+        raise InvalidArgument(f"no backend could load model {name!r}: {reason}")
+
+    async def _load_on(self, backend: Backend, source: ModelSource, exclude: frozenset[str] = frozenset()) -> ServedModel:
+        config = source.config
+        key = f"{backend.name}/{config.name}"
+        estimate = backend.estimate_bytes(config, source.model_dir)
+        async with self._memory_lock:
+            for victim in self.memory.plan(estimate, exclude):
+                await self._evict(victim)
+            self.memory.add(key, estimate, config.pinned)
+        try:
+            async with self._load_lock:
+                loaded = await anyio.to_thread.run_sync(backend.load, config, source.model_dir)
+        except BaseException:
+            self.memory.remove(key)
+            raise
+        try:
+            await self._settle_measured_size(key, loaded.nbytes, exclude)
+        except ResourceExhausted:
+            await anyio.to_thread.run_sync(loaded.unload)
+            raise
+        served = self._make_served(config, source, backend, loaded)
+        served.batcher.start()
+        if config.warmup:
+            await self._warm_up(served)
+        self._served[config.name] = served
+        self.metrics.loaded_bytes.labels(config.name, backend.name).set(loaded.nbytes)
+        self.metrics.used_bytes.set(self.memory.used)
+        log.info("model_loaded", model=config.name, backend=backend.name, nbytes=loaded.nbytes, estimate=estimate)
+        self._notify(config.name, ModelState.READY)
+        return served
+
+    async def _settle_measured_size(self, key: str, nbytes: int, exclude: frozenset[str]) -> None:
+        """Swap the estimate for the backend's figure, evicting more if needed."""
+        async with self._memory_lock:
+            self.memory.resize(key, nbytes)
+            if self.memory.free >= 0:
+                return
+            try:
+                victims = self.memory.plan(0, exclude | {key})
+            except ResourceExhausted:
+                self.memory.remove(key)
+                raise ResourceExhausted(self.memory._refusal(nbytes)) from None
+            for victim in victims:
+                await self._evict(victim)
+
+    def _make_served(self, config: ModelConfig, source: ModelSource, backend: Backend, loaded: LoadedModel) -> ServedModel:
+        stats = self.stats(config.name)
+        name, backend_name = config.name, backend.name
+
+        def on_batch(report: BatchReport) -> None:
+            stats.record_batch(report)
+            self.metrics.batch_size.labels(name, backend_name).observe(report.batch_size)
+            for queue_ns in report.queue_ns:
+                self.metrics.queue_latency.labels(name).observe(queue_ns / 1e9)
+
+        batcher = DynamicBatcher(loaded.execute, config.max_batch_size, config.max_queue_delay_us,
+                                 config.max_queue_size, on_batch)
+        return ServedModel(config, source, backend, loaded, batcher, stats)
+
+    async def _warm_up(self, served: ServedModel) -> None:
+        inputs = warmup_inputs(served.loaded.inputs, served.config.is_batched)
+        try:
+            await served.batcher.submit(inputs, ())
+        except ModeldError as exc:
+            await self._drop(served)
+            raise LoadFailed(f"warm-up request failed: {exc}") from exc
+
+    # -- unloading -----------------------------------------------------------
+
+    async def unload(self, name: str, forget_inline: bool = True) -> None:
+        """Stop taking requests, finish queued ones, free the memory."""
+        if name in self._loading and asyncio.current_task() is not self._loading[name]:
+            try:
+                await asyncio.shield(self._loading[name])
+            except ModeldError:
+                pass
+        served = self._served.get(name)
+        if served is None:
+            if name not in self.repository.names():
+                raise NotFound(f"unknown model {name!r}")
+        else:
+            self._unloading.add(name)
+            self._notify(name, ModelState.UNLOADING)
+            try:
+                await self._drop(served)
+            finally:
+                self._unloading.discard(name)
+        if forget_inline:
+            self.repository.remove_inline(name)
+        self._notify(name, ModelState.UNAVAILABLE)
+
+    async def _drop(self, served: ServedModel) -> None:
+        if self._served.get(served.config.name) is served:
+            del self._served[served.config.name]
+        await served.batcher.stop()
+        await anyio.to_thread.run_sync(served.loaded.unload)
+        self.memory.remove(served.key)
+        self.metrics.loaded_bytes.remove(served.config.name, served.backend.name)
+        self.metrics.used_bytes.set(self.memory.used)
+        log.info("model_unloaded", model=served.config.name, backend=served.backend.name)
+
+    async def _evict(self, key: str) -> None:
+        name = key.split("/", 1)[1]
+        served = self._served.get(name)
+        log.info("model_evicted", model=name, key=key)
+        if served is None:
+            self.memory.remove(key)
+            return
+        self.metrics.evictions.labels(name, served.backend.name).inc()
+        await self._drop(served)
+        self._notify(name, ModelState.UNAVAILABLE)
+
+    async def stop(self) -> None:
+        for name in list(self._served):
+            await self._drop(self._served[name])
+
+    # -- inference -----------------------------------------------------------
+
+    async def ensure_loaded(self, name: str, version: str = "") -> ServedModel:
+        self.check_version(name, version)
+        served = self._served.get(name)
+        if served is not None and name not in self._unloading:
+            return served
+        source = self.repository.resolve(name)
+        lazy = source.config.lazy_load if source.config.lazy_load is not None else self.lazy_load
+        if not lazy and name not in self._loading:
+            raise Unavailable(f"model {name!r} is not loaded and lazy loading is off; load it first (RepositoryModelLoad)")
+        return await self.load(name)
+
+    async def infer(self, request: InferRequest) -> InferResult:
+        served = await self.ensure_loaded(request.model_name, request.model_version)
+        started = time.perf_counter_ns()
+        try:
+            outputs = await self._infer_on(served, request)
+        except ModeldError:
+            served.stats.record_failure(time.perf_counter_ns() - started)
+            raise
+        elapsed = time.perf_counter_ns() - started
+        served.stats.record_success(elapsed)
+        self.metrics.requests.labels(request.model_name, served.backend.name).inc()
+        self.metrics.request_latency.labels(request.model_name, served.backend.name).observe(elapsed / 1e9)
+        return InferResult(request.model_name, MODEL_VERSION, request.id, outputs, served.backend.name)
+
+    async def _infer_on(self, served: ServedModel, request: InferRequest) -> dict[str, np.ndarray]:
+        missing = served.backend.missing(request.required)
+        if missing:
+            raise Unimplemented(_capability_message(served, missing))
+        validate_inputs(request, served.loaded.inputs, served.loaded.outputs, served.config)
+        self.memory.acquire(served.key)
+        try:
+            return await served.batcher.submit(request.inputs, request.output_names)
+        except BackendFailure as exc:
+            fallback = await self._fall_back(served, exc)
+            return await self._infer_on(fallback, request)
+        finally:
+            self.memory.release(served.key)
+
+    async def _fall_back(self, failed: ServedModel, exc: BackendFailure) -> ServedModel:
+        """Move a model whose backend failed at run time to the next backend."""
+        name = failed.config.name
+        self.metrics.fallbacks.labels(name, failed.backend.name, "run").inc()
+        log.warning("backend_run_failed", model=name, backend=failed.backend.name, reason=str(exc))
+        current = self._served.get(name)
+        if current is not None and current is not failed:
+            return current  # another request already moved it
+        candidates = self.registry.candidates(failed.config.backends)
+        later = candidates[candidates.index(failed.backend) + 1:] if failed.backend in candidates else []
+        for backend in later:
+            if not backend.can_serve(failed.config, failed.source.model_dir).ok:
+                continue
+            try:
+                served = await self._load_on(backend, failed.source, exclude=frozenset({failed.key}))
+            except LoadFailed:
+                continue
+            asyncio.get_running_loop().create_task(self._drop(failed))
+            return served
+        raise Unavailable(f"model {name!r} failed on backend {failed.backend.name} and no other backend can serve it: {exc}")
+
+
+def _capability_message(served: ServedModel, missing: frozenset[Capability]) -> str:
+    names = ", ".join(sorted(c.value for c in missing))
+    hints = "; ".join(_CAPABILITY_HINTS[c] for c in missing if c in _CAPABILITY_HINTS)
+    return (f"model {served.config.name!r} is served by backend {served.backend.name!r}, which lacks {names}"
+            + (f": {hints}" if hints else ""))

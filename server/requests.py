@@ -1,0 +1,49 @@
+"""What passes between the service layer and the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from modeld.backends.base import Capability
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    model_name: str
+    inputs: dict[str, np.ndarray]  # in the order the client sent them
+    model_version: str = ""
+    id: str = ""
+    output_names: tuple[str, ...] = ()  # empty: every output
+    parameters: dict[str, Any] = field(default_factory=dict)
+    required: frozenset[Capability] = frozenset({Capability.TENSOR_INFERENCE})
+    request_id: str = ""  # the daemon's own id, for logs
+
+
+@dataclass(frozen=True)
+class InferResult:
+    model_name: str
+    model_version: str
+    id: str
+    outputs: dict[str, np.ndarray]
+    backend: str
+
+
+class ModelState(Enum):
+    UNAVAILABLE = "UNAVAILABLE"  # known, not loaded
+    LOADING = "LOADING"
+    READY = "READY"
+    UNLOADING = "UNLOADING"
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    name: str
+    version: str
+    state: ModelState
+    reason: str = ""
+    backend: str = ""
+    nbytes: int = 0
