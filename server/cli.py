@@ -1,0 +1,125 @@
+"""`modeld`: serve, prepare the embedded models, and talk to a running daemon."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_ADDRESS = "127.0.0.1:8001"
+
+
+def _serve_args(sub) -> None:
+    p = sub.add_parser("serve", help="run the daemon in the foreground")
+    p.add_argument("--model-repository", dest="model_repository", help="folder of <name>/model.toml (default: ./models)")
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    p.add_argument("--grpc-port", dest="grpc_port", type=int, help="gRPC port (default 8001; 0 picks a free one)")
+    p.add_argument("--metrics-port", dest="metrics_port", type=int, help="Prometheus port (default 8002; -1 off)")
+    p.add_argument("--memory-budget", dest="memory_budget", help="bytes all models may hold, e.g. 2GiB (default: half of RAM)")
+    p.add_argument("--config", type=Path, help="TOML settings file")
+    p.add_argument("--no-lazy-load", dest="lazy_load", action="store_const", const=False, help="never load a model on first request")
+    p.add_argument("--no-preload", dest="preload", action="store_const", const=False, help="don't load repository models at start")
+    p.add_argument("--log-format", dest="log_format", choices=["json", "console"])
+
+
+def _client_args(sub) -> None:
+    for name, help_text in (("models", "list models and their state"), ("health", "check daemon or model health")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--address", default=DEFAULT_ADDRESS)
+        if name == "health":
+            p.add_argument("service", nargs="?", default="", help="model name; empty for the daemon")
+    for name in ("load", "unload"):
+        p = sub.add_parser(name, help=f"{name} a model")
+        p.add_argument("model")
+        p.add_argument("--address", default=DEFAULT_ADDRESS)
+    p = sub.add_parser("infer", help="embed texts with a text model, or run a model on JSON inputs")
+    p.add_argument("model")
+    p.add_argument("--text", action="append", help="a sentence (repeatable) for models with a BYTES 'text' input")
+    p.add_argument("--inputs", help='JSON: {"x": [[1.0, 2.0]], ...}; floats become FP32, ints INT64')
+    p.add_argument("--address", default=DEFAULT_ADDRESS)
+    p = sub.add_parser("prepare", help="build the embedded default models' artifacts")
+    p.add_argument("--model-repository", dest="model_repository", type=Path, default=Path("models"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="modeld", description="gRPC model-serving daemon")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_args(sub)
+    _client_args(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    if args.command == "prepare":
+        from modeld.server.prepare import prepare_repository
+
+        prepare_repository(args.model_repository)
+        return 0
+    return run_client_command(args)
+
+
+def serve(args) -> int:
+    from modeld.server.app import Daemon
+    from modeld.server.config import ConfigError, load_settings
+    from modeld.server.logging import configure_logging
+
+    flags = {k: getattr(args, k) for k in ("model_repository", "host", "grpc_port", "metrics_port",
+                                           "memory_budget", "lazy_load", "preload", "log_format")}
+    try:
+        settings = load_settings(flags, config_file=args.config)
+    except ConfigError as exc:
+        print(f"modeld: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level, settings.log_format)
+    print(f"modeld: {settings.describe()}", file=sys.stderr, flush=True)
+    asyncio.run(Daemon(settings).run_until_signalled())
+    return 0
+
+
+def run_client_command(args) -> int:
+    import grpc
+    import numpy as np
+
+    from modeld.clients import Client
+
+    try:
+        with Client(args.address) as client:
+            if args.command == "models":
+                for m in client.models():
+                    print(f"{m.name}\t{m.version}\t{m.state}\t{m.reason}")
+            elif args.command == "health":
+                status = client.health(args.service)
+                print(status)
+                return 0 if status == "SERVING" else 1
+            elif args.command == "load":
+                client.load(args.model)
+            elif args.command == "unload":
+                client.unload(args.model)
+            elif args.command == "infer":
+                if args.text:
+                    inputs = {"text": np.array(args.text, dtype=object)}
+                else:
+                    inputs = {k: np.asarray(v, dtype=np.float32 if _has_float(v) else np.int64)
+                              for k, v in json.loads(args.inputs or "{}").items()}
+                outputs = client.infer(args.model, inputs)
+                print(json.dumps({k: v.tolist() if v.dtype != object else [x.decode() for x in v.reshape(-1)]
+                                  for k, v in outputs.items()}))
+    except grpc.RpcError as exc:
+        print(f"modeld: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _has_float(value) -> bool:
+    if isinstance(value, list):
+        return any(_has_float(v) for v in value)
+    return isinstance(value, float)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
