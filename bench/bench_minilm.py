@@ -284,6 +284,21 @@ def daemon_throughput(url: str, model: str, sentences: list[str]) -> dict:
     return asyncio.run(_daemon_throughput(url, model, sentences))
 
 
+def execution_counts(client, model: str) -> tuple[int, int]:
+    """(rows served, backend runs) so far; their deltas give the mean batch size actually formed."""
+    stats = client.get_inference_statistics(model).model_stats[0]
+    return stats.inference_count, stats.execution_count
+
+
+def measure_throughput(client, url: str, model: str, sentences: list[str]) -> dict:
+    rows0, runs0 = execution_counts(client, model)
+    result = daemon_throughput(url, model, sentences)
+    rows1, runs1 = execution_counts(client, model)
+    # Includes the warm-up phase; it has the same load pattern, so the mean is representative.
+    result["mean_batch_size"] = (rows1 - rows0) / max(runs1 - runs0, 1)
+    return result
+
+
 def load_nobatch_copy(client) -> None:
     # Inline load: same weights and tokenizer, but no `batching` key, so max_batch_size is 0 and
     # the daemon runs every request on its own.
@@ -401,20 +416,20 @@ def run_daemon_measurements(daemon: Daemon, sentences: list[str], results: dict)
         print(f"latency daemon:     p50 {lat['daemon']['p50_ms']:.2f} ms  p99 {lat['daemon']['p99_ms']:.2f} ms")
 
         thr = results["throughput"]
-        thr["batching_on"] = daemon_throughput(url, "minilm", sentences)
+        thr["batching_on"] = measure_throughput(client, url, "minilm", sentences)
         print(f"throughput ON:      {thr['batching_on']['requests_per_s']:.1f} req/s "
               f"({thr['batching_on']['requests']} in {thr['batching_on']['seconds']:.1f} s, "
-              f"{thr['batching_on']['errors']} errors)")
+              f"{thr['batching_on']['errors']} errors, mean batch {thr['batching_on']['mean_batch_size']:.1f})")
 
         load_nobatch_copy(client)
         try:
             wait_model_ready(client, NOBATCH_MODEL)
-            thr["batching_off"] = daemon_throughput(url, NOBATCH_MODEL, sentences)
+            thr["batching_off"] = measure_throughput(client, url, NOBATCH_MODEL, sentences)
         finally:
             client.unload_model(NOBATCH_MODEL)
         print(f"throughput OFF:     {thr['batching_off']['requests_per_s']:.1f} req/s "
               f"({thr['batching_off']['requests']} in {thr['batching_off']['seconds']:.1f} s, "
-              f"{thr['batching_off']['errors']} errors)")
+              f"{thr['batching_off']['errors']} errors, mean batch {thr['batching_off']['mean_batch_size']:.1f})")
     finally:
         client.close()
 
@@ -451,6 +466,8 @@ def main() -> int:
     print(f"sentence-transformers one at a time: {st['requests_per_s']:.1f} req/s "
           f"({st['requests']} in {st['seconds']:.1f} s)")
 
+    # A benchmark on a shared machine is only as good as its neighbours are quiet: record them.
+    results["machine"]["load_avg_at_end"] = list(os.getloadavg())
     results["goals"] = goals(results)
     print_summary(results)
     print(f"daemon exit code {results['daemon_exit_code']}, "

@@ -25,6 +25,7 @@ from modeld.backends.registry import BackendRegistry
 from modeld.server.batcher import BatchReport, DynamicBatcher
 from modeld.server.memory import MemoryManager
 from modeld.server.metrics import Metrics
+from modeld.server.os_memory import release_freed_memory
 from modeld.server.repository import ModelRepository, ModelSource
 from modeld.server.requests import InferRequest, InferResult, ModelState, ModelStatus
 from modeld.server.stats import ModelStats
@@ -261,6 +262,7 @@ class Engine:
             del self._served[served.config.name]
         await served.batcher.stop()
         await anyio.to_thread.run_sync(served.loaded.unload)
+        await anyio.to_thread.run_sync(release_freed_memory)
         self.memory.remove(served.key)
         self.metrics.loaded_bytes.remove(served.config.name, served.backend.name)
         self.metrics.used_bytes.set(self.memory.used)

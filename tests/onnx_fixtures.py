@@ -27,8 +27,10 @@ def double_int64() -> bytes:
 
 
 def add_fp32(num_weights: int = 4) -> bytes:
-    """y = x + sum(w) with a weight vector of num_weights floats: sized by it."""
-    weights = numpy_helper.from_array(np.full(num_weights, 1.0 / num_weights, dtype=np.float32), "w")
+    """y = x + sum(w) = x + 1 with a weight vector of num_weights floats: sized by it."""
+    values = np.zeros(num_weights, dtype=np.float32)
+    values[0] = 1.0
+    weights = numpy_helper.from_array(values, "w")
     axes = numpy_helper.from_array(np.array([0], dtype=np.int64), "axes")
     graph = helper.make_graph(
         [helper.make_node("ReduceSum", ["w", "axes"], ["s"], keepdims=0),

@@ -121,7 +121,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 self.engine.repository.resolve(request.name)  # raises NOT_FOUND
         response = pb.ModelStatisticsResponse()
         for name in names:
-            _fill_stats(response.model_stats.add(name=name, version=MODEL_VERSION), self.engine.stats(name))
+            target = response.model_stats.add(name=name, version=MODEL_VERSION)
+            _fill_stats(target, self.engine.stats(name))
+            served = self.engine.served(name)
+            if served is not None:
+                target.memory_usage.add(type="CPU", id=0, byte_size=served.loaded.nbytes)
         return response
 
     @grpc_errors

@@ -1,0 +1,119 @@
+"""The global memory budget through a real daemon: LRU eviction, pinning,
+refusal that changes nothing, lazy reload, and bytes checked against RSS."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as tc
+from tritonclient.utils import InferenceServerException
+
+import onnx_fixtures
+from conftest import start_daemon
+
+MB = 1_000_000
+WEIGHTS = 10_000_000  # float32 -> a 40 MB model file
+
+
+@pytest.fixture
+def small_daemon(tmp_path):
+    """Room for two 40 MB models, not three."""
+    daemon = start_daemon("--no-preload", "--memory-budget", "100MB", repository=tmp_path)
+    yield daemon
+    assert daemon.stop() == 0
+
+
+def _load(client, name, num_weights=WEIGHTS, **extra):
+    config = onnx_fixtures.triton_config(name, [("x", "FP32", [4])], [("y", "FP32", [4])], **extra)
+    client.load_model(name, config=json.dumps(config), files={"file:1/model.onnx": onnx_fixtures.add_fp32(num_weights)})
+
+
+def _infer(client, name):
+    x = tc.InferInput("x", [1, 4], "FP32")
+    x.set_data_from_numpy(np.zeros((1, 4), np.float32))
+    np.testing.assert_allclose(client.infer(name, [x]).as_numpy("y"), 1.0, rtol=1e-4)
+
+
+def _states(client) -> dict[str, str]:
+    return {m.name: m.state for m in client.get_model_repository_index().models}
+
+
+def _bytes(client, name) -> int:
+    return client.get_inference_statistics(name).model_stats[0].memory_usage[0].byte_size
+
+
+def _metric(daemon, name: str, **labels) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics").read().decode()
+    label_text = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    pattern = re.escape(f"{name}{{{label_text}}}" if labels else name) + r" ([0-9.e+]+)"
+    match = re.search(pattern, text)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_lru_eviction_sequence(small_daemon):
+    client = tc.InferenceServerClient(small_daemon.address)
+    _load(client, "a")
+    _load(client, "b")
+    assert _bytes(client, "a") == pytest.approx(40 * MB, rel=0.05)
+    for name in ("a", "b", "a"):
+        _infer(client, name)
+    _load(client, "c")
+    assert _states(client) == {"a": "READY", "b": "UNAVAILABLE", "c": "READY"}
+    assert _metric(small_daemon, "modeld_evictions_total", backend="onnx", model="b") == 1
+    assert _metric(small_daemon, "modeld_memory_used_bytes") == pytest.approx(80 * MB, rel=0.05)
+    # b was evicted, not forgotten: a request loads it again, evicting the LRU (a).
+    _infer(client, "b")
+    assert _states(client) == {"a": "UNAVAILABLE", "b": "READY", "c": "READY"}
+
+
+def test_pinned_models_stay_and_a_load_that_cannot_fit_changes_nothing(small_daemon):
+    client = tc.InferenceServerClient(small_daemon.address)
+    _load(client, "pinned", pinned=True)
+    _load(client, "other")
+    _load(client, "newer")  # must evict "other", never "pinned"
+    assert _states(client) == {"pinned": "READY", "other": "UNAVAILABLE", "newer": "READY"}
+    before = _states(client)
+    with pytest.raises(InferenceServerException) as err:
+        _load(client, "huge", num_weights=3 * WEIGHTS)  # 120 MB > the whole budget
+    assert err.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    assert "memory budget" in err.value.message() and "--memory-budget" in err.value.message()
+    after = _states(client)
+    assert {k: v for k, v in after.items() if k != "huge"} == before and after.get("huge") != "READY"
+    _infer(client, "pinned")
+    _infer(client, "newer")
+
+
+def test_model_without_lazy_load_is_unavailable_until_loaded(small_daemon):
+    client = tc.InferenceServerClient(small_daemon.address)
+    _load(client, "strict", lazy_load=False)
+    _load(client, "x1")
+    _infer(client, "x1")
+    _load(client, "x2")  # evicts strict, the least recently used
+    with pytest.raises(InferenceServerException) as err:
+        _infer(client, "strict")
+    assert err.value.status() == "StatusCode.UNAVAILABLE" and "lazy loading is off" in err.value.message()
+    client.load_model("strict")
+    _infer(client, "strict")
+
+
+def test_reported_bytes_match_rss_growth_and_unload_frees_them():
+    daemon = start_daemon("--no-preload")
+    try:
+        client = tc.InferenceServerClient(daemon.address)
+        time.sleep(1)
+        rss_before = daemon.rss()
+        client.load_model("minilm")
+        reported = _bytes(client, "minilm")
+        grown = daemon.rss() - rss_before
+        assert 0.6 <= grown / reported <= 1.5, (grown, reported)
+        client.unload_model("minilm")
+        assert _metric(daemon, "modeld_memory_used_bytes") == 0
+        freed = rss_before + grown - daemon.rss()
+        assert freed >= 0.5 * reported, (freed, reported)
+    finally:
+        assert daemon.stop() == 0
