@@ -1,0 +1,52 @@
+"""SIGTERM: health flips to NOT_SERVING first, new calls get UNAVAILABLE,
+calls in flight finish, and the process exits 0."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conftest import start_daemon
+from modeld.clients import Client
+
+LONG_TEXT = " ".join(["a long sentence keeps the model busy for a while"] * 30)
+
+
+def test_graceful_shutdown_with_calls_in_flight():
+    daemon = start_daemon("--no-preload", env={"MODELD_DRAIN_DELAY_S": "1.0", "MODELD_SHUTDOWN_GRACE_S": "30"})
+    statuses: list[int] = []
+    with Client(daemon.address, timeout=60) as client, grpc.insecure_channel(daemon.address) as channel:
+        client.load("minilm")
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+
+        def follow():
+            try:
+                for message in watch:
+                    statuses.append(message.status)
+            except grpc.RpcError:
+                pass
+
+        threading.Thread(target=follow, daemon=True).start()
+        with ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(client.embed, [LONG_TEXT] * 4) for _ in range(8)]
+            time.sleep(0.3)  # the calls are in flight
+            daemon.proc.send_signal(15)
+            time.sleep(0.5)  # inside the drain delay: health is NOT_SERVING, the port still open
+            try:
+                client.embed(["too late"])
+                refused = None
+            except grpc.RpcError as exc:
+                refused = exc.code()
+            results = [f.result(timeout=120) for f in futures]
+    assert all(r.shape == (4, 384) for r in results)
+    np.testing.assert_allclose(np.linalg.norm(results[-1], axis=1), 1.0, rtol=1e-5)
+    assert refused == grpc.StatusCode.UNAVAILABLE
+    assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
+    assert statuses.index(health_pb2.HealthCheckResponse.SERVING) < statuses.index(health_pb2.HealthCheckResponse.NOT_SERVING)
+    assert daemon.proc.wait(60) == 0
+    assert daemon.events("daemon_draining") and daemon.events("daemon_stopped")
