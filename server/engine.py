@@ -300,7 +300,7 @@ class Engine:
         served = await self.ensure_loaded(request.model_name, request.model_version)
         started = time.perf_counter_ns()
         try:
-            outputs = await self._infer_on(served, request)
+            served, outputs = await self._infer_on(served, request)
         except ModeldError:
             served.stats.record_failure(time.perf_counter_ns() - started)
             raise
@@ -310,14 +310,15 @@ class Engine:
         self.metrics.request_latency.labels(request.model_name, served.backend.name).observe(elapsed / 1e9)
         return InferResult(request.model_name, MODEL_VERSION, request.id, outputs, served.backend.name)
 
-    async def _infer_on(self, served: ServedModel, request: InferRequest) -> dict[str, np.ndarray]:
+    async def _infer_on(self, served: ServedModel, request: InferRequest) -> tuple[ServedModel, dict[str, np.ndarray]]:
+        """Run on `served`, or on the backend it falls back to; says which."""
         missing = served.backend.missing(request.required)
         if missing:
             raise Unimplemented(_capability_message(served, missing))
         validate_inputs(request, served.loaded.inputs, served.loaded.outputs, served.config)
         self.memory.acquire(served.key)
         try:
-            return await served.batcher.submit(request.inputs, request.output_names)
+            return served, await served.batcher.submit(request.inputs, request.output_names)
         except BackendFailure as exc:
             fallback = await self._fall_back(served, exc)
             return await self._infer_on(fallback, request)

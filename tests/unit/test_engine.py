@@ -1,0 +1,137 @@
+"""Engine behaviour with scripted backends: selection, shared loads,
+run-time fallback, and in-flight protection from eviction."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from modeld.backends import registry as registry_module
+from modeld.backends.base import Backend, Capability, LoadedModel, Verdict
+from modeld.backends.errors import BackendFailure, InvalidArgument, LoadFailed
+from modeld.backends.model_config import TensorSpec
+from modeld.backends.registry import BackendRegistry
+from modeld.server.engine import Engine
+from modeld.server.memory import MemoryManager
+from modeld.server.metrics import Metrics
+from modeld.server.repository import ModelRepository
+from modeld.server.requests import InferRequest, ModelState
+
+SPEC = (TensorSpec("x", "FP32", (-1, 2)),)
+
+
+class ScriptedModel(LoadedModel):
+    def __init__(self, owner: "ScriptedBackend") -> None:
+        self.owner, self.nbytes, self.inputs, self.outputs = owner, owner.nbytes, SPEC, (TensorSpec("y", "FP32", (-1, 2)),)
+
+    def execute(self, inputs, output_names):
+        self.owner.gate.wait(5)
+        self.owner.runs += 1
+        if self.owner.fail_runs:
+            raise BackendFailure(f"{self.owner.name} crashed")
+        return {"y": inputs["x"] + self.owner.offset}
+
+    def unload(self):
+        self.owner.unloads += 1
+
+
+class ScriptedBackend(Backend):
+    capabilities = frozenset({Capability.TENSOR_INFERENCE, Capability.DYNAMIC_BATCHING})
+
+    def __init__(self, name: str, priority: int, offset: float) -> None:
+        self.name, self.priority, self.offset = name, priority, offset
+        self.nbytes, self.loads, self.unloads, self.runs = 100, 0, 0, 0
+        self.fail_load = self.fail_runs = False
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def can_serve(self, config, model_dir) -> Verdict:
+        return Verdict.yes()
+
+    def estimate_bytes(self, config, model_dir) -> int:
+        return self.nbytes
+
+    def load(self, config, model_dir) -> LoadedModel:
+        self.loads += 1
+        if self.fail_load:
+            raise LoadFailed(f"{self.name} refuses")
+        return ScriptedModel(self)
+
+
+@pytest.fixture
+def backends(monkeypatch):
+    fast, slow = ScriptedBackend("fast", 10, 1.0), ScriptedBackend("slow", 1, 1.0)
+    module = types.ModuleType("scripted_backends")
+    module.Fast, module.Slow = (lambda: fast), (lambda: slow)
+    monkeypatch.setitem(sys.modules, "scripted_backends", module)
+    monkeypatch.setattr(registry_module, "BACKENDS", {"fast": "scripted_backends:Fast", "slow": "scripted_backends:Slow"})
+    return fast, slow
+
+
+def _engine(tmp_path: Path, budget: int = 1000) -> Engine:
+    root = tmp_path / "repo"
+    for name in ("m", "n", "o"):
+        (root / name).mkdir(parents=True)
+        (root / name / "model.toml").write_text("[batching]\nmax_batch_size = 8\n")
+    return Engine(ModelRepository(root, tmp_path / "inline"), BackendRegistry(), MemoryManager(budget), Metrics())
+
+
+def _request(model="m", value=0.0):
+    return InferRequest(model, {"x": np.full((1, 2), value, np.float32)})
+
+
+async def test_highest_priority_backend_serves_and_load_failure_falls_back(backends, tmp_path):
+    fast, slow = backends
+    engine = _engine(tmp_path)
+    assert (await engine.load("m")).backend is fast
+    fast.fail_load = True
+    assert (await engine.load("n")).backend is slow
+    assert engine.metrics.fallbacks.labels("n", "fast", "load")._value.get() == 1
+
+
+async def test_concurrent_loads_of_one_model_share_one_load(backends, tmp_path):
+    fast, _ = backends
+    engine = _engine(tmp_path)
+    served = await asyncio.gather(*(engine.load("m") for _ in range(5)))
+    assert fast.loads == 1 and all(s is served[0] for s in served)
+
+
+async def test_run_time_failure_moves_the_model_to_the_next_backend(backends, tmp_path):
+    fast, slow = backends
+    engine = _engine(tmp_path)
+    await engine.load("m")
+    fast.fail_runs = True
+    result = await engine.infer(_request(value=2.0))
+    np.testing.assert_array_equal(result.outputs["y"], [[3.0, 3.0]])
+    assert result.backend == "slow" and engine.served("m").backend is slow
+    assert engine.metrics.fallbacks.labels("m", "fast", "run")._value.get() == 1
+    await asyncio.sleep(0.05)
+    assert fast.unloads == 1  # the failed instance is released
+
+
+async def test_model_with_requests_in_flight_is_not_evicted(backends, tmp_path):
+    fast, _ = backends
+    engine = _engine(tmp_path, budget=200)  # two models fit
+    await engine.load("m")
+    await engine.load("n")
+    fast.gate.clear()  # the next run blocks inside the backend
+    busy = asyncio.create_task(engine.infer(_request("m")))
+    await asyncio.sleep(0.05)
+    await engine.load("o")  # m is least recently used but busy: n goes
+    assert engine.state_of("m") is ModelState.READY and engine.state_of("n") is ModelState.UNAVAILABLE
+    fast.gate.set()
+    assert (await busy).outputs["y"].shape == (1, 2)
+
+
+async def test_invalid_input_is_rejected_before_batching(backends, tmp_path):
+    fast, _ = backends
+    engine = _engine(tmp_path)
+    with pytest.raises(InvalidArgument, match="must have shape"):
+        await engine.infer(InferRequest("m", {"x": np.zeros((1, 3), np.float32)}))
+    assert fast.runs == 0
