@@ -25,7 +25,7 @@ DATATYPES = (
     "UINT64", "FP16", "FP32", "FP64", "BYTES", "BF16",
 )
 
-MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
 
 
 class ModelFormat(Enum):
@@ -83,7 +83,7 @@ class ModelConfig:
 
 
 def validate_model_name(name: str) -> str:
-    if not isinstance(name, str) or not MODEL_NAME_RE.match(name) or ".." in name:
+    if not isinstance(name, str) or not MODEL_NAME_RE.fullmatch(name) or ".." in name:
         raise InvalidArgument(
             f"invalid model name {name!r}: use 1-128 letters, digits, '_', '-' or '.', "
             "starting with a letter or digit, without '..' or path separators"
@@ -143,7 +143,7 @@ def config_from_dict(name: str, raw: dict[str, Any]) -> ModelConfig:
         inputs=tuple(_tensor_specs(name, raw.get("inputs", []), "inputs")),
         outputs=tuple(_tensor_specs(name, raw.get("outputs", []), "outputs")),
         text=_text_spec(name, reader.table("text")),
-        backend_options={k: dict(raw[k]) for k in ("onnx", "llamacpp", "torch", "reference") if k in raw},
+        backend_options={k: dict(reader.table(k)) for k in ("onnx", "llamacpp", "torch", "reference") if k in raw},
     )
 
 
@@ -250,6 +250,9 @@ def _triton_to_native(raw: dict[str, Any]) -> dict[str, Any]:
     Keys already in our own spelling pass through, so one JSON may mix both.
     """
     out = {k: v for k, v in raw.items() if k in _KNOWN_KEYS}
+    for key, kind in (("batching", dict), ("dynamic_batching", dict), ("input", list), ("output", list)):
+        if key in raw and not isinstance(raw[key], kind):
+            raise InvalidArgument(f"config key {key} must be {'an object' if kind is dict else 'a list'}, got {raw[key]!r}")
     triton_backend = raw.get("backend") or raw.get("platform")
     if triton_backend is not None:
         if triton_backend not in _TRITON_ONNX_NAMES:
@@ -289,5 +292,8 @@ def _triton_tensor(item: Any, batched: bool) -> dict[str, Any]:
     dtype = str(item.get("data_type", item.get("datatype", "")))
     dtype = dtype.removeprefix("TYPE_")
     dtype = "BYTES" if dtype == "STRING" else dtype
-    dims = [_as_int(d) for d in item.get("dims", item.get("shape", []))]
+    dims = item.get("dims", item.get("shape", []))
+    if not isinstance(dims, list):
+        raise InvalidArgument(f"tensor {item.get('name')!r}: dims must be a list of integers, got {dims!r}")
+    dims = [_as_int(d) for d in dims]
     return {"name": item.get("name"), "datatype": dtype, "shape": ([-1] if batched else []) + dims}

@@ -18,8 +18,11 @@ from typing import Callable
 
 import anyio
 import numpy as np
+import structlog
 
-from modeld.backends.errors import InvalidArgument, ModeldError, ResourceExhausted
+from modeld.backends.errors import InvalidArgument, ModeldError, ResourceExhausted, Unavailable
+
+log = structlog.get_logger("modeld.batcher")
 
 Execute = Callable[[dict[str, np.ndarray], tuple[str, ...]], dict[str, np.ndarray]]
 
@@ -78,6 +81,10 @@ class DynamicBatcher:
             await self._task
 
     async def submit(self, inputs: dict[str, np.ndarray], output_names: tuple[str, ...]) -> dict[str, np.ndarray]:
+        if self._stopping or (self._task is not None and self._task.done()):
+            raise Unavailable("the model is being unloaded; retry and it will be loaded again")
+        if not inputs:
+            raise InvalidArgument("the request has no inputs")
         if len(self._queue) >= self.max_queue_size:
             raise ResourceExhausted(
                 f"the model's queue is full ({self.max_queue_size} requests waiting); retry later"
@@ -156,10 +163,13 @@ class DynamicBatcher:
         for item, result in zip(batch, results):
             _settle(item, result)
         if self._on_batch is not None:
-            self._on_batch(BatchReport(
-                sum(i.num_rows for i in batch), len(batch), compute_ns,
-                tuple(start - i.enqueued_ns for i in batch),
-            ))
+            try:
+                self._on_batch(BatchReport(
+                    sum(i.num_rows for i in batch), len(batch), compute_ns,
+                    tuple(start - i.enqueued_ns for i in batch),
+                ))
+            except Exception:  # statistics must never stop the serving loop
+                log.exception("batch_report_failed")
 
     async def _execute_merged(self, batch: list[_Pending]) -> list[dict[str, np.ndarray]]:
         names = batch[0].output_names

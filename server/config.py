@@ -102,7 +102,12 @@ def load_settings(flags: dict[str, Any], environ: dict[str, str] | None = None,
     settings = Settings(**parsed)
     if not settings.memory_budget:
         settings = dataclasses.replace(settings, memory_budget=default_memory_budget())
-    _validate(settings)
+    try:
+        _validate(settings)
+    except ConfigError as exc:
+        key = exc.args[1] if len(exc.args) > 1 else None
+        origin = values[key][1] if key in values else "the default"
+        raise ConfigError(f"{exc.args[0]} (set by {origin})") from None
     return settings
 
 
@@ -117,15 +122,18 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 
 def _validate(s: Settings) -> None:
-    if not 0 <= s.grpc_port <= 65535:
-        raise ConfigError(f"grpc_port {s.grpc_port} must be 0..65535 (0 picks a free port)")
-    if not -1 <= s.metrics_port <= 65535:
-        raise ConfigError(f"metrics_port {s.metrics_port} must be -1 (off) or 0..65535")
-    if s.model_repository is not None and not s.model_repository.is_dir():
-        raise ConfigError(f"model repository {s.model_repository} is not a directory")
-    if s.max_message_bytes < 1024 or s.max_message_bytes >= 2**31:
-        raise ConfigError("max_message_bytes must be between 1KiB and 2GiB (protobuf's limit)")
-    if s.shutdown_grace_s < 0 or s.drain_delay_s < 0:
-        raise ConfigError("shutdown_grace_s and drain_delay_s must not be negative")
-    if s.log_format not in ("json", "console"):
-        raise ConfigError(f"log_format {s.log_format!r} must be json or console")
+    """Raises ConfigError(message, setting) so the caller can name the origin."""
+    checks = (
+        ("grpc_port", 0 <= s.grpc_port <= 65535, f"grpc_port {s.grpc_port} must be 0..65535 (0 picks a free port)"),
+        ("metrics_port", -1 <= s.metrics_port <= 65535, f"metrics_port {s.metrics_port} must be -1 (off) or 0..65535"),
+        ("model_repository", s.model_repository is None or s.model_repository.is_dir(),
+         f"model_repository {s.model_repository} is not a directory"),
+        ("max_message_bytes", 1024 <= s.max_message_bytes < 2**31,
+         "max_message_bytes must be between 1KiB and 2GiB (protobuf's limit)"),
+        ("shutdown_grace_s", s.shutdown_grace_s >= 0, "shutdown_grace_s must not be negative"),
+        ("drain_delay_s", s.drain_delay_s >= 0, "drain_delay_s must not be negative"),
+        ("log_format", s.log_format in ("json", "console"), f"log_format {s.log_format!r} must be json or console"),
+    )
+    for key, ok, message in checks:
+        if not ok:
+            raise ConfigError(message, key)

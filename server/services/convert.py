@@ -123,7 +123,13 @@ def _decode_contents(tensor, datatype: str, shape: tuple[int, ...], count: int) 
         )
     if datatype == "BYTES":
         return np.array(values, dtype=object).reshape(shape)
-    return np.array(values, dtype=NUMPY_BY_DATATYPE[datatype]).reshape(shape)
+    dtype = NUMPY_BY_DATATYPE[datatype]
+    try:
+        return np.array(values, dtype=dtype).reshape(shape)
+    except (OverflowError, ValueError) as exc:
+        info = np.iinfo(dtype) if dtype.kind in "iu" else None
+        limits = f" (range {info.min}..{info.max})" if info is not None else ""
+        raise InvalidArgument(f"input {tensor.name!r}: a value does not fit {datatype}{limits}: {exc}") from None
 
 
 def encode_bytes(array: np.ndarray) -> bytes:

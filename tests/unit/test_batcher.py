@@ -79,7 +79,7 @@ async def test_compatible_concurrent_submits_merge_into_one_call():
 
 async def test_queue_delay_gathers_a_late_arrival():
     execute = Recorder()
-    batcher = DynamicBatcher(execute, max_batch_size=8, max_queue_delay_us=200_000)
+    batcher = DynamicBatcher(execute, max_batch_size=2, max_queue_delay_us=500_000)
     batcher.start()
     try:
         first = asyncio.create_task(batcher.submit({"x": rows(0, 1)}, ()))
@@ -327,7 +327,6 @@ async def test_stop_finishes_everything_already_queued():
     assert max(execute.rows_per_call()) <= 2
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: submit() after stop() enqueues onto a dead loop and never returns")
 async def test_submit_after_stop_does_not_hang():
     batcher = DynamicBatcher(Recorder(), max_batch_size=4)
     batcher.start()

@@ -215,8 +215,6 @@ def test_other_validations(repo):
         load_settings({**base, "log_format": "xml"}, environ={})
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: _validate() errors do not say where the value came from "
-                                       "(module docstring promises setting name and origin)")
 @pytest.mark.parametrize(("flags", "environ", "origin"), [
     ({"grpc_port": 70000}, {}, "--grpc-port"),
     ({}, {"MODELD_GRPC_PORT": "70000"}, "$MODELD_GRPC_PORT"),
@@ -227,8 +225,6 @@ def test_range_errors_name_the_origin(repo, flags, environ, origin):
     assert origin in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the repository error names neither the setting model_repository "
-                                       "nor its origin")
 def test_non_existent_repository_error_names_setting_and_origin(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_settings({}, environ={"MODELD_MODEL_REPOSITORY": str(tmp_path / "nowhere")})

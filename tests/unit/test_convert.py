@@ -218,8 +218,6 @@ def test_fp16_must_be_sent_raw():
     assert array.dtype == np.float16
 
 
-@pytest.mark.xfail(strict=True, raises=OverflowError,
-                   reason="BUG: out-of-range typed int contents raise numpy OverflowError, not InvalidArgument")
 @pytest.mark.parametrize(("datatype", "field", "value"), [("INT8", "int_contents", 300),
                                                          ("UINT8", "uint_contents", 256)])
 def test_out_of_range_typed_contents_are_invalid_argument(datatype, field, value):

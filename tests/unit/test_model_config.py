@@ -285,17 +285,12 @@ def test_native_unknown_key_in_json_is_dropped_like_other_triton_keys():
     assert config == ModelConfig(name="m")
 
 
-@pytest.mark.xfail(strict=True, raises=(TypeError, ValueError),
-                   reason="BUG: non-table backend option sections (onnx = 5) raise TypeError/ValueError, "
-                          "not InvalidArgument")
 @pytest.mark.parametrize("raw", [{"onnx": 5}, {"reference": "fast"}])
 def test_backend_options_must_be_tables(raw):
     with pytest.raises(InvalidArgument):
         config_from_dict("m", raw)
 
 
-@pytest.mark.xfail(strict=True, raises=(TypeError, ValueError),
-                   reason="BUG: _triton_to_native iterates/dict()s values without type checks")
 @pytest.mark.parametrize("text", ['{"input": 5}', '{"output": null}', '{"batching": 5}',
                                   '{"input": [{"name": "x", "data_type": "TYPE_FP32", "dims": 3}]}'])
 def test_triton_json_bad_container_types_are_invalid_argument(text):
@@ -303,7 +298,6 @@ def test_triton_json_bad_container_types_are_invalid_argument(text):
         config_from_json("m", text)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a string 'dims' is iterated per character: \"16\" becomes [1, 6]")
 def test_triton_string_dims_are_refused():
     with pytest.raises(InvalidArgument):
         config_from_json("m", '{"input": [{"name": "x", "data_type": "TYPE_FP32", "dims": "16"}]}')
@@ -333,7 +327,6 @@ def test_invalid_model_name_is_checked_by_config_parsing():
         config_from_json("a/b", "{}")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: MODEL_NAME_RE uses '$', which matches before a trailing newline")
 def test_model_name_with_trailing_newline_is_refused():
     with pytest.raises(InvalidArgument):
         validate_model_name("abc\n")
