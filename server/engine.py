@@ -126,7 +126,12 @@ class Engine:
         With `source` (an inline model) an already loaded model is replaced.
         """
         if name in self._loading:
-            return await asyncio.shield(self._loading[name])
+            if source is None:
+                return await asyncio.shield(self._loading[name])
+            try:  # an inline reload waits for the load in progress, then replaces it
+                await asyncio.shield(self._loading[name])
+            except ModeldError:
+                pass
         if source is None and name in self._served:
             return self._served[name]
         task = asyncio.get_running_loop().create_task(self._load(name, source))
