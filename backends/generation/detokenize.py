@@ -1,0 +1,64 @@
+"""Turn token bytes into text deltas that never split a UTF-8 character,
+and hold back text that might be the start of a stop string."""
+
+from __future__ import annotations
+
+
+class IncrementalText:
+    def __init__(self, stop: tuple[str, ...]) -> None:
+        self._pending = b""  # bytes of an unfinished character
+        self._held = ""  # decoded text not yet released (possible stop prefix)
+        self._stop = stop
+        self.stopped = False
+
+    def push(self, piece: bytes) -> str:
+        """Add a token's bytes; return the text now safe to send."""
+        if self.stopped:
+            return ""
+        self._pending += piece
+        text, self._pending = _split_complete(self._pending)
+        self._held += text
+        return self._release()
+
+    def flush(self) -> str:
+        """At the end: whatever is held (a partial character is replaced)."""
+        if self.stopped:
+            return ""
+        tail = self._held + self._pending.decode("utf-8", errors="replace")
+        self._held, self._pending = "", b""
+        return tail
+
+    def _release(self) -> str:
+        for stop in self._stop:
+            index = self._held.find(stop)
+            if index >= 0:
+                self.stopped = True
+                out, self._held = self._held[:index], ""
+                return out
+        keep = _longest_stop_prefix_suffix(self._held, self._stop)
+        out = self._held[:len(self._held) - keep]
+        self._held = self._held[len(self._held) - keep:]
+        return out
+
+
+def _split_complete(data: bytes) -> tuple[str, bytes]:
+    """Decode the longest prefix of complete UTF-8 characters."""
+    for cut in range(len(data), max(len(data) - 4, -1), -1):
+        try:
+            return data[:cut].decode("utf-8"), data[cut:]
+        except UnicodeDecodeError as exc:
+            if exc.reason != "unexpected end of data" and cut == len(data):
+                # invalid bytes, not an unfinished character: replace them
+                return data.decode("utf-8", errors="replace"), b""
+    return data.decode("utf-8", errors="replace"), b""
+
+
+def _longest_stop_prefix_suffix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that begins some stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best

@@ -1,0 +1,51 @@
+"""The seam between the shared generation loop and a backend's runtime."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from modeld.backends.generation.params import ChatMessage
+from modeld.backends.generation.scheduler import StepPlan
+
+
+class StepExecutor(ABC):
+    """Runs one scheduled step on a model and knows its vocabulary.
+
+    `run` is called from a worker thread, one step at a time; everything
+    else is called from the event loop between steps.
+    """
+
+    vocab_size: int
+
+    @abstractmethod
+    def run(self, plan: StepPlan) -> np.ndarray:
+        """Apply plan.kv_ops, run every SeqWork in one forward pass, and
+        return the logits asked for: [sum of num_logits, vocab] float32, in
+        plan order."""
+
+    @abstractmethod
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
+
+    @abstractmethod
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+    @abstractmethod
+    def is_end_of_generation(self, token_id: int) -> bool: ...
+
+    @abstractmethod
+    def apply_chat_template(self, messages: tuple[ChatMessage, ...]) -> str: ...
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in token_ids).decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        """Free the runtime's memory."""
+
+
+class DraftProposer(ABC):
+    """Proposes draft tokens for speculative decoding, per sequence."""
+
+    @abstractmethod
+    def propose(self, token_ids: list[int], num_tokens: int) -> list[int]: ...

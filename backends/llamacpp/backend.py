@@ -1,0 +1,124 @@
+"""llama.cpp backend: GGUF language models with continuous batching, prefix
+caching and speculative decoding, on llama-cpp-python's low-level API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from modeld.backends.base import Backend, Capability, GenerativeModel, Verdict
+from modeld.backends.errors import LoadFailed
+from modeld.backends.generation.executor import StepExecutor
+from modeld.backends.generation.loop import GenerationLoop, GenerationObserver
+from modeld.backends.generation.params import ChatMessage
+from modeld.backends.generation.scheduler import Scheduler, SchedulerConfig, StepPlan
+from modeld.backends.model_config import ModelConfig, ModelFormat, TensorSpec
+from modeld.backends.tensor_model import process_rss
+
+TEXT_SIGNATURE = (TensorSpec("text_input", "BYTES", (1,)),), (TensorSpec("text_output", "BYTES", (1,)),)
+
+_DEFAULTS = {"n_ctx": 32768, "n_slots": 8, "context_length": 4096, "n_threads": 2,
+             "max_step_tokens": 512, "max_waiting": 256}
+
+
+class LlamaCppBackend(Backend):
+    name = "llamacpp"
+    priority = 80
+    capabilities = frozenset({
+        Capability.GENERATION, Capability.STREAMING, Capability.CONTINUOUS_BATCHING,
+        Capability.PREFIX_CACHE, Capability.SPECULATIVE_DECODING, Capability.LOGPROBS,
+    })
+
+    def availability(self) -> Verdict:
+        import importlib.util
+
+        # find_spec, not import: importing the daemon must not load llama.cpp
+        if importlib.util.find_spec("llama_cpp") is None:
+            return Verdict.no("llama-cpp-python is not installed (pip install llama-cpp-python)")
+        return Verdict.yes()
+
+    def can_serve(self, config: ModelConfig, model_dir: Path) -> Verdict:
+        if config.format is not ModelFormat.GGUF:
+            return Verdict.no(f"llamacpp serves GGUF models, not {config.format.value}")
+        if not (model_dir / config.artifact_path).exists():
+            return Verdict.no(f"model file {config.artifact_path!r} is missing")
+        return Verdict.yes()
+
+    def estimate_bytes(self, config: ModelConfig, model_dir: Path) -> int:
+        if config.memory_estimate is not None:
+            return config.memory_estimate
+        options = {**_DEFAULTS, **config.backend_options.get("llamacpp", {})}
+        # weights plus a rough f16 KV figure; replaced by the measured one after load
+        return (model_dir / config.artifact_path).stat().st_size + int(options["n_ctx"]) * 32 * 1024
+
+    def load(self, config: ModelConfig, model_dir: Path) -> LlamaGenerativeModel:
+        return LlamaGenerativeModel(config, model_dir)
+
+
+class LlamaExecutor(StepExecutor):
+    def __init__(self, model, context) -> None:
+        self.model, self.context = model, context
+        self.vocab_size = model.vocab_size
+
+    def run(self, plan: StepPlan):
+        return self.context.run(plan)
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.model.tokenize(text, add_special)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.model.token_bytes(token_id)
+
+    def is_end_of_generation(self, token_id: int) -> bool:
+        return self.model.is_end_of_generation(token_id)
+
+    def apply_chat_template(self, messages: tuple[ChatMessage, ...]) -> str:
+        return self.model.apply_chat_template(messages)
+
+
+class LlamaGenerativeModel(GenerativeModel):
+    def __init__(self, config: ModelConfig, model_dir: Path, observer: GenerationObserver | None = None) -> None:
+        from modeld.backends.llamacpp.context import LlamaContext, LlamaModel
+
+        options = {**_DEFAULTS, **config.backend_options.get("llamacpp", {})}
+        try:
+            n_ctx, n_slots = int(options["n_ctx"]), int(options["n_slots"])
+            threads, step = int(options["n_threads"]), int(options["max_step_tokens"])
+        except (TypeError, ValueError) as exc:
+            raise LoadFailed(f"[llamacpp] options must be integers: {exc}") from exc
+        path = model_dir / config.artifact_path
+        rss_before = process_rss()
+        self.llama_model = LlamaModel(path)
+        self.context = LlamaContext(self.llama_model, n_ctx, n_slots, step, threads)
+        kv_bytes = n_ctx * self.llama_model.kv_bytes_per_token()
+        # mmap'd weights count once touched; the KV cache is allocated at once
+        self.nbytes = max(path.stat().st_size + kv_bytes, process_rss() - rss_before)
+        self.inputs, self.outputs = TEXT_SIGNATURE
+        context_length = min(int(options["context_length"]), self.llama_model.n_ctx_train, n_ctx // n_slots)
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_slots=n_slots, kv_capacity=n_ctx, context_length=context_length,
+            max_step_tokens=step, max_waiting=int(options["max_waiting"]),
+        ))
+        self.executor = LlamaExecutor(self.llama_model, self.context)
+        self.loop = GenerationLoop(self.executor, self.scheduler, observer)
+
+    def set_observer(self, observer: GenerationObserver) -> None:
+        self.loop.observer = observer
+
+    async def start(self) -> None:
+        self.loop.start()
+
+    async def stop(self) -> None:
+        await self.loop.stop()
+
+    def generate(self, request):
+        return self.loop.generate(request)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.executor.tokenize(text)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.executor.detokenize(token_ids)
+
+    def unload(self) -> None:
+        self.context.close()
+        self.llama_model.close()

@@ -1,0 +1,183 @@
+"""A llama.cpp model and context driven through llama-cpp-python's low-level
+API: one context holds many sequences (seq ids = KV slots), and each step is
+one llama_batch across all of them.
+
+llama-cpp-python's high-level `Llama` runs one sequence at a time, which is
+why the batch, decode and memory calls are used directly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+
+from modeld.backends.errors import BackendFailure, InvalidArgument, LoadFailed
+from modeld.backends.generation.params import ChatMessage
+from modeld.backends.generation.scheduler import StepPlan
+from modeld.backends.generation.slots import KvOpKind
+
+
+def _llama():
+    import llama_cpp
+
+    return llama_cpp
+
+
+_LOG_SINK = None
+
+
+def silence_llama_logs() -> None:
+    """llama.cpp prints every load detail to stderr; modeld logs its own summary."""
+    global _LOG_SINK
+    llama = _llama()
+    if _LOG_SINK is None:
+        _LOG_SINK = llama.llama_log_callback(lambda level, text, user_data: None)
+        llama.llama_log_set(_LOG_SINK, ctypes.c_void_p(0))
+        llama.llama_backend_init()
+
+
+class LlamaModel:
+    """Weights and vocabulary, shareable by several contexts."""
+
+    def __init__(self, path: Path, use_mmap: bool = True) -> None:
+        llama = _llama()
+        silence_llama_logs()
+        params = llama.llama_model_default_params()
+        params.use_mmap = use_mmap
+        self.model = llama.llama_model_load_from_file(str(path).encode(), params)
+        if not self.model:
+            raise LoadFailed(f"llama.cpp cannot load {path.name}: not a GGUF model it understands")
+        self.vocab = llama.llama_model_get_vocab(self.model)
+        self.vocab_size = llama.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train = llama.llama_model_n_ctx_train(self.model)
+        self._pieces: dict[int, bytes] = {}
+
+    def kv_bytes_per_token(self) -> int:
+        """f16 K and V for every layer: 2 * layers * kv_width * 2 bytes."""
+        llama = _llama()
+        n_head = llama.llama_model_n_head(self.model)
+        kv_width = llama.llama_model_n_embd(self.model) // n_head * llama.llama_model_n_head_kv(self.model)
+        return 2 * llama.llama_model_n_layer(self.model) * kv_width * 2
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        llama = _llama()
+        data = text.encode("utf-8")
+        capacity = len(data) + 16
+        buffer = (llama.llama_token * capacity)()
+        count = llama.llama_tokenize(self.vocab, data, len(data), buffer, capacity, add_special, True)
+        if count < 0:
+            raise InvalidArgument(f"the prompt cannot be tokenized ({-count} tokens needed)")
+        return list(buffer[:count])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            buffer = ctypes.create_string_buffer(256)
+            count = _llama().llama_token_to_piece(self.vocab, token_id, buffer, 256, 0, False)
+            piece = buffer.raw[:max(count, 0)]
+            self._pieces[token_id] = piece
+        return piece
+
+    def is_end_of_generation(self, token_id: int) -> bool:
+        return bool(_llama().llama_vocab_is_eog(self.vocab, token_id))
+
+    def apply_chat_template(self, messages: tuple[ChatMessage, ...]) -> str:
+        llama = _llama()
+        template = llama.llama_model_chat_template(self.model, None)
+        if not template:
+            raise InvalidArgument("this model has no chat template in its GGUF metadata; send a prompt instead")
+        keep = [(m.role.encode(), m.content.encode()) for m in messages]
+        chat = (llama.llama_chat_message * len(keep))()
+        for i, (role, content) in enumerate(keep):
+            chat[i].role, chat[i].content = role, content
+        size = 4 * sum(len(c) + len(r) for r, c in keep) + 1024
+        buffer = ctypes.create_string_buffer(size)
+        count = llama.llama_chat_apply_template(template, chat, len(keep), True, buffer, size)
+        if count < 0:
+            raise InvalidArgument("the model's chat template could not be applied to these messages")
+        if count > size:
+            buffer = ctypes.create_string_buffer(count + 1)
+            count = llama.llama_chat_apply_template(template, chat, len(keep), True, buffer, count + 1)
+        return buffer.raw[:count].decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        if self.model:
+            _llama().llama_model_free(self.model)
+            self.model = None
+
+
+class LlamaContext:
+    """One context: n_slots sequences, each with its own KV stream of n_ctx / n_slots cells."""
+
+    def __init__(self, model: LlamaModel, n_ctx: int, n_slots: int, n_batch: int, n_threads: int) -> None:
+        llama = _llama()
+        params = llama.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
+        params.n_seq_max, params.n_threads, params.n_threads_batch = n_slots, n_threads, n_threads
+        # One KV stream per slot. A shared (unified) cache interleaves the
+        # slots' cells; after a prefix-cache trim a sequence's new cells can
+        # land before its old ones, attention then sums in another order and
+        # greedy output drifts from a cold run. Separate streams keep every
+        # sequence's cells in position order, so results do not depend on
+        # what else is running.
+        params.kv_unified = False
+        params.no_perf = True
+        self.ctx = llama.llama_init_from_model(model.model, params)
+        if not self.ctx:
+            raise LoadFailed(f"llama.cpp cannot create a context of {n_ctx} cells for {n_slots} sequences")
+        self.model = model
+        self.memory = llama.llama_get_memory(self.ctx)
+        self.n_batch = n_batch
+        self.batch = llama.llama_batch_init(n_batch, 0, 1)
+
+    def apply_kv_ops(self, ops) -> None:
+        llama = _llama()
+        for op in ops:
+            if op.kind is KvOpKind.CLEAR:
+                llama.llama_memory_seq_rm(self.memory, op.slot, -1, -1)
+            elif op.kind is KvOpKind.TRIM:
+                llama.llama_memory_seq_rm(self.memory, op.slot, op.pos, -1)
+            elif op.kind is KvOpKind.COPY:
+                # streams can only be copied whole: copy, then cut to the prefix
+                llama.llama_memory_seq_cp(self.memory, op.src, op.slot, -1, -1)
+                llama.llama_memory_seq_rm(self.memory, op.slot, op.pos, -1)
+
+    def decode(self, items: list[tuple[int, int, int, bool]]) -> np.ndarray:
+        """items: (token, position, slot, wants_logits) -> [num_logits, vocab]."""
+        llama = _llama()
+        outputs = []
+        for start in range(0, len(items), self.n_batch):
+            chunk = items[start:start + self.n_batch]
+            batch = self.batch
+            batch.n_tokens = len(chunk)
+            for i, (token, pos, slot, logits) in enumerate(chunk):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+                batch.seq_id[i][0], batch.logits[i] = slot, logits
+            code = llama.llama_decode(self.ctx, batch)
+            if code != 0:
+                raise BackendFailure(f"llama_decode failed with code {code} (KV cache full or invalid batch)")
+            num_out = sum(1 for item in chunk if item[3])
+            if num_out:
+                pointer = llama.llama_get_logits(self.ctx)
+                outputs.append(np.ctypeslib.as_array(pointer, shape=(num_out, self.model.vocab_size)).copy())
+        if not outputs:
+            return np.zeros((0, self.model.vocab_size), dtype=np.float32)
+        return np.concatenate(outputs) if len(outputs) > 1 else outputs[0]
+
+    def run(self, plan: StepPlan) -> np.ndarray:
+        self.apply_kv_ops(plan.kv_ops)
+        items = []
+        for work in plan.work:
+            first_logit = len(work.token_ids) - work.num_logits
+            for i, token in enumerate(work.token_ids):
+                items.append((token, work.start_pos + i, work.slot, i >= first_logit))
+        return self.decode(items) if items else np.zeros((0, self.model.vocab_size), dtype=np.float32)
+
+    def close(self) -> None:
+        llama = _llama()
+        if self.ctx:
+            llama.llama_batch_free(self.batch)
+            llama.llama_free(self.ctx)
+            self.ctx = None
