@@ -106,6 +106,9 @@ class GenerativeModel(LoadedModel):
     `start`/`stop` bracket its generation loop; the engine awaits both.
     """
 
+    def set_observer(self, observer) -> None:
+        """Receive the generation loop's figures (the engine's metrics)."""
+
     async def start(self) -> None:
         """Begin serving (start the step loop)."""
 

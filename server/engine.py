@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import AsyncIterator, Callable
 
 import anyio
 import numpy as np
 import structlog
 
-from modeld.backends.base import Backend, Capability, LoadedModel
+from modeld.backends.base import Backend, Capability, GenerativeModel, LoadedModel
+from modeld.backends.generation.params import FinalEvent, GenerateRequest, SpeculativeMode, TokenEvent
 from modeld.backends.errors import (
     BackendFailure, InvalidArgument, LoadFailed, ModeldError, NotFound, ResourceExhausted, Unavailable, Unimplemented,
 )
@@ -24,7 +25,7 @@ from modeld.backends.model_config import ModelConfig
 from modeld.backends.registry import BackendRegistry
 from modeld.server.batcher import BatchReport, DynamicBatcher
 from modeld.server.memory import MemoryManager
-from modeld.server.metrics import Metrics
+from modeld.server.metrics import GenerationMetrics, Metrics
 from modeld.server.os_memory import release_freed_memory
 from modeld.server.repository import ModelRepository, ModelSource
 from modeld.server.requests import InferRequest, InferResult, ModelState, ModelStatus
@@ -48,8 +49,12 @@ class ServedModel:
     source: ModelSource
     backend: Backend
     loaded: LoadedModel
-    batcher: DynamicBatcher
+    batcher: DynamicBatcher | None  # None for language models, which batch themselves
     stats: ModelStats = field(default_factory=ModelStats)
+
+    @property
+    def is_generative(self) -> bool:
+        return isinstance(self.loaded, GenerativeModel)
 
     @property
     def key(self) -> str:
@@ -192,8 +197,12 @@ class Engine:
             await anyio.to_thread.run_sync(loaded.unload)
             raise
         served = self._make_served(config, source, backend, loaded)
-        served.batcher.start()
-        if config.warmup:
+        if served.is_generative:
+            loaded.set_observer(GenerationMetrics(self.metrics, config.name, backend.name))
+            await loaded.start()
+        else:
+            served.batcher.start()
+        if config.warmup and not served.is_generative:
             await self._warm_up(served)
         self._served[config.name] = served
         self.metrics.loaded_bytes.labels(config.name, backend.name).set(loaded.nbytes)
@@ -218,6 +227,8 @@ class Engine:
 
     def _make_served(self, config: ModelConfig, source: ModelSource, backend: Backend, loaded: LoadedModel) -> ServedModel:
         stats = self.stats(config.name)
+        if isinstance(loaded, GenerativeModel):
+            return ServedModel(config, source, backend, loaded, None, stats)
         name, backend_name = config.name, backend.name
 
         def on_batch(report: BatchReport) -> None:
@@ -265,7 +276,10 @@ class Engine:
     async def _drop(self, served: ServedModel) -> None:
         if self._served.get(served.config.name) is served:
             del self._served[served.config.name]
-        await served.batcher.stop()
+        if served.batcher is not None:
+            await served.batcher.stop()
+        else:
+            await served.loaded.stop()
         await anyio.to_thread.run_sync(served.loaded.unload)
         await anyio.to_thread.run_sync(release_freed_memory)
         self.memory.remove(served.key)
@@ -330,6 +344,41 @@ class Engine:
         finally:
             self.memory.release(served.key)
 
+    # -- generation ------------------------------------------------------------
+
+    async def generative(self, name: str, required: frozenset[Capability] = frozenset()) -> ServedModel:
+        served = await self.ensure_loaded(name)
+        missing = served.backend.missing(required | {Capability.GENERATION})
+        if missing or not served.is_generative:
+            raise Unimplemented(_capability_message(served, missing or frozenset({Capability.GENERATION})))
+        return served
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """Stream a language model's tokens; leaving early cancels the sequence."""
+        served = await self.generative(request.model_name, _generation_capabilities(request))
+        self.memory.acquire(served.key)
+        started = time.perf_counter_ns()
+        try:
+            async for event in served.loaded.generate(request):
+                yield event
+            served.stats.record_success(time.perf_counter_ns() - started)
+        except ModeldError:
+            served.stats.record_failure(time.perf_counter_ns() - started)
+            raise
+        finally:
+            self.memory.release(served.key)
+
+    async def tokenize(self, name: str, text: str) -> list[int]:
+        return (await self.generative(name)).loaded.tokenize(text)
+
+    async def detokenize(self, name: str, token_ids: list[int]) -> str:
+        served = await self.generative(name)
+        vocab = served.loaded.executor.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return served.loaded.detokenize(token_ids)
+
     async def _fall_back(self, failed: ServedModel, exc: BackendFailure) -> ServedModel:
         """Move a model whose backend failed at run time to the next backend."""
         name = failed.config.name
@@ -350,6 +399,15 @@ class Engine:
             asyncio.get_running_loop().create_task(self._drop(failed))
             return served
         raise Unavailable(f"model {name!r} failed on backend {failed.backend.name} and no other backend can serve it: {exc}")
+
+
+def _generation_capabilities(request: GenerateRequest) -> frozenset[Capability]:
+    needed = {Capability.GENERATION, Capability.STREAMING}
+    if request.params.speculative is not SpeculativeMode.NONE:
+        needed.add(Capability.SPECULATIVE_DECODING)
+    if request.params.logprobs:
+        needed.add(Capability.LOGPROBS)
+    return frozenset(needed)
 
 
 def _capability_message(served: ServedModel, missing: frozenset[Capability]) -> str:

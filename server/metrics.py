@@ -23,3 +23,46 @@ class Metrics:
         self.evictions = Counter("modeld_evictions", "Models evicted to make room", ["model", "backend"], registry=r)
         self.fallbacks = Counter("modeld_backend_fallbacks", "Times a backend failed and the next one was tried", ["model", "from_backend", "stage"], registry=r)
         self.loads = Counter("modeld_model_loads", "Model loads by outcome", ["model", "outcome"], registry=r)
+        # language models
+        self.time_to_first_token = Histogram("modeld_time_to_first_token_seconds", "Arrival to first token", ["model", "backend"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("modeld_inter_token_seconds", "Time between tokens of one sequence", ["model", "backend"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.generated_tokens = Counter("modeld_generated_tokens", "Completion tokens produced", ["model", "backend"], registry=r)
+        self.running_sequences = Gauge("modeld_running_sequences", "Sequences in the running batch", ["model", "backend"], registry=r)
+        self.waiting_sequences = Gauge("modeld_waiting_sequences", "Sequences waiting for a slot", ["model", "backend"], registry=r)
+        self.kv_cells_used = Gauge("modeld_kv_cells_used", "KV cache cells holding tokens (running and cached)", ["model", "backend"], registry=r)
+        self.kv_cells_capacity = Gauge("modeld_kv_cells_capacity", "KV cache cells in all", ["model", "backend"], registry=r)
+        self.prefix_cache_hit_tokens = Counter("modeld_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", ["model", "backend"], registry=r)
+        self.prompt_tokens = Counter("modeld_prompt_tokens", "Prompt tokens received", ["model", "backend"], registry=r)
+        self.drafted_tokens = Counter("modeld_speculative_drafted_tokens", "Draft tokens proposed", ["model", "backend"], registry=r)
+        self.accepted_tokens = Counter("modeld_speculative_accepted_tokens", "Draft tokens accepted", ["model", "backend"], registry=r)
+        self.finished_sequences = Counter("modeld_finished_sequences", "Sequences by finish reason", ["model", "backend", "reason"], registry=r)
+
+
+class GenerationMetrics:
+    """The generation loop's observer: its figures as Prometheus metrics.
+
+    Speculative acceptance rate = accepted / drafted, both counters.
+    """
+
+    def __init__(self, metrics: Metrics, model: str, backend: str) -> None:
+        self.m, self.labels = metrics, (model, backend)
+
+    def on_step(self, num_running: int, num_waiting: int, kv_used: int, kv_capacity: int) -> None:
+        self.m.running_sequences.labels(*self.labels).set(num_running)
+        self.m.waiting_sequences.labels(*self.labels).set(num_waiting)
+        self.m.kv_cells_used.labels(*self.labels).set(kv_used)
+        self.m.kv_cells_capacity.labels(*self.labels).set(kv_capacity)
+
+    def on_tokens(self, count: int, first_token_s: float | None, inter_token_s: float | None) -> None:
+        self.m.generated_tokens.labels(*self.labels).inc(count)
+        if first_token_s is not None:
+            self.m.time_to_first_token.labels(*self.labels).observe(first_token_s)
+        if inter_token_s is not None:
+            self.m.inter_token.labels(*self.labels).observe(inter_token_s)
+
+    def on_finish(self, usage, reason) -> None:
+        self.m.prompt_tokens.labels(*self.labels).inc(usage.prompt_tokens)
+        self.m.prefix_cache_hit_tokens.labels(*self.labels).inc(usage.cached_prompt_tokens)
+        self.m.drafted_tokens.labels(*self.labels).inc(usage.drafted_tokens)
+        self.m.accepted_tokens.labels(*self.labels).inc(usage.accepted_tokens)
+        self.m.finished_sequences.labels(*self.labels, reason.value).inc()

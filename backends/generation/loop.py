@@ -123,10 +123,16 @@ class GenerationLoop:
                     self._finish(seq, FinishReason.ERROR, f"the model failed while generating: {exc}")
 
     async def _step(self) -> None:
+        try:
+            await self._run_step()
+        finally:
+            if self.observer is not None:
+                s = self.scheduler
+                self.observer.on_step(len(s.running), len(s.waiting), s.num_used_cells, s.config.kv_capacity)
+
+    async def _run_step(self) -> None:
         self._propose_drafts()
         plan = self.scheduler.schedule()
-        for seq in [s for s in list(self.scheduler.running) if s.is_cancelled]:
-            self._finish(seq, FinishReason.CANCELLED)
         if not plan.work:
             if plan.kv_ops:
                 await anyio.to_thread.run_sync(self.executor.run, plan)
@@ -140,9 +146,6 @@ class GenerationLoop:
             row += work.num_logits
             if not work.seq.is_cancelled and work.seq.finish_reason is None:
                 self._apply(work, rows)
-        if self.observer is not None:
-            s = self.scheduler
-            self.observer.on_step(len(s.running), len(s.waiting), s.num_used_cells, s.config.kv_capacity)
 
     def _propose_drafts(self) -> None:
         for seq in self.scheduler.running:

@@ -10,12 +10,14 @@ import asyncio
 import structlog
 
 from modeld.backends.errors import InvalidArgument, ModeldError
+from modeld.backends.generation.params import FinalEvent
 from modeld.gen import inference_pb2 as pb
 from modeld.gen import inference_pb2_grpc as pb_grpc
 from modeld.server.engine import MODEL_VERSION, Engine
 from modeld.server.lifecycle import Lifecycle
 from modeld.server.requests import ModelState
 from modeld.server.services.convert import parameter_value, request_from_proto, response_to_proto
+from modeld.server.services.kserve_text import text_request, text_response
 from modeld.server.services.status import grpc_errors, new_request_id
 from modeld.server.stats import Duration, ModelStats
 
@@ -62,39 +64,83 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     @grpc_errors
     async def ModelInfer(self, request, context):
+        if await self._is_language_model(request):
+            return await self._complete_text(request)
         result = await self.engine.infer(request_from_proto(request, new_request_id()))
         return response_to_proto(result)
 
+    async def _is_language_model(self, request) -> bool:
+        served = await self.engine.ensure_loaded(request.model_name, request.model_version)
+        return served.is_generative
+
+    async def _complete_text(self, request) -> pb.ModelInferResponse:
+        """The whole completion in one response."""
+        chunks, final = [], None
+        async for event in self.engine.generate(text_request(request, new_request_id())):
+            if isinstance(event, FinalEvent):
+                final = event
+            else:
+                chunks.append(event.text)
+        if final.error:
+            raise ModeldError(final.error)
+        return text_response(request, "".join(chunks), final)
+
+    async def _stream_text(self, request, put) -> None:
+        """One response per token chunk; the last carries triton_final_response.
+
+        Each chunk is held back one event so the last text chunk can carry
+        the final flag; with triton_enable_empty_final_response the chunks
+        all go out as they come and an empty response closes the request.
+        """
+        flag = "triton_enable_empty_final_response"
+        empty_final = flag in request.parameters and request.parameters[flag].bool_param
+        pending = None
+        async for event in self.engine.generate(text_request(request, new_request_id())):
+            if isinstance(event, FinalEvent):
+                await put(_flagged(text_response(request, None if empty_final else pending, event), True))
+                return
+            if empty_final:
+                await put(_flagged(text_response(request, event.text), False))
+                continue
+            if pending is not None:
+                await put(_flagged(text_response(request, pending), False))
+            pending = event.text
+
     async def ModelStreamInfer(self, request_iterator, context):
-        """Requests on one stream run concurrently; each gets its own answer.
+        """Requests on one stream run concurrently; each gets its own answers.
 
         A failed request becomes an error_message on the stream, which stays
-        open, as tritonclient expects.
+        open, as tritonclient expects. Language models answer with one
+        response per token chunk.
         """
         responses: asyncio.Queue = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
 
+        async def put(response: pb.ModelInferResponse) -> None:
+            await responses.put(pb.ModelStreamInferResponse(infer_response=response))
+
+        async def fail(msg: pb.ModelInferRequest, message: str) -> None:
+            await responses.put(pb.ModelStreamInferResponse(
+                error_message=message, infer_response=pb.ModelInferResponse(model_name=msg.model_name, id=msg.id)))
+
         async def run_one(msg: pb.ModelInferRequest) -> None:
             try:
+                if await self._is_language_model(msg):
+                    await self._stream_text(msg, put)
+                    return
                 result = await self.engine.infer(request_from_proto(msg, new_request_id()))
-                response = response_to_proto(result)
                 # A tensor model answers each request once: that answer is the last.
-                response.parameters["triton_final_response"].bool_param = True
-                await responses.put(pb.ModelStreamInferResponse(infer_response=response))
+                await put(_flagged(response_to_proto(result), True))
             except ModeldError as exc:
-                await responses.put(pb.ModelStreamInferResponse(
-                    error_message=f"{exc.kind.value}: {exc}",
-                    infer_response=pb.ModelInferResponse(model_name=msg.model_name, id=msg.id)))
+                await fail(msg, f"{exc.kind.value}: {exc}")
             except Exception:  # a bug: keep the stream and the daemon alive
                 log.exception("stream_request_bug", model=msg.model_name)
-                await responses.put(pb.ModelStreamInferResponse(
-                    error_message="INTERNAL: internal error; see the daemon log",
-                    infer_response=pb.ModelInferResponse(model_name=msg.model_name, id=msg.id)))
+                await fail(msg, "INTERNAL: internal error; see the daemon log")
 
         async def read_requests() -> None:
             async for msg in request_iterator:
                 if self.lifecycle.is_draining:
-                    await responses.put(pb.ModelStreamInferResponse(error_message="UNAVAILABLE: the daemon is shutting down"))
+                    await fail(msg, "UNAVAILABLE: the daemon is shutting down")
                     continue
                 task = asyncio.get_running_loop().create_task(run_one(msg))
                 tasks.add(task)
@@ -159,6 +205,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelUnload(self, request, context):
         await self.engine.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
+
+
+def _flagged(response: pb.ModelInferResponse, final: bool) -> pb.ModelInferResponse:
+    response.parameters["triton_final_response"].bool_param = final
+    return response
 
 
 def _duration(target, value: Duration) -> None:

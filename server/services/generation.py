@@ -1,0 +1,86 @@
+"""modeld.v1.Generation: token streaming over gRPC. Converts and delegates."""
+
+from __future__ import annotations
+
+from modeld.backends.generation.params import (
+    ChatMessage, FinalEvent, FinishReason, GenerateRequest, SamplingParams, SpeculativeMode, TokenEvent,
+)
+from modeld.gen import generation_pb2 as pb
+from modeld.gen import generation_pb2_grpc as pb_grpc
+from modeld.server.engine import Engine
+from modeld.server.lifecycle import Lifecycle
+from modeld.server.services.status import grpc_errors, new_request_id
+
+_SPECULATIVE = {
+    pb.SPECULATIVE_NONE: SpeculativeMode.NONE,
+    pb.SPECULATIVE_NGRAM: SpeculativeMode.NGRAM,
+    pb.SPECULATIVE_DRAFT: SpeculativeMode.DRAFT,
+}
+_FINISH = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    values = {}
+    for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "cache_prompt",
+                 "ignore_eos", "num_speculative_tokens"):
+        if msg.HasField(name):
+            values[name] = getattr(msg, name)
+    values["stop"] = tuple(msg.stop)
+    values["stop_token_ids"] = tuple(msg.stop_token_ids)
+    values["speculative"] = _SPECULATIVE.get(msg.speculative, SpeculativeMode.NONE)
+    return SamplingParams(**values)
+
+
+def request_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
+    kind = msg.WhichOneof("input")
+    return GenerateRequest(
+        model_name=msg.model,
+        prompt=msg.prompt if kind == "prompt" else "",
+        token_ids=tuple(msg.token_ids.ids) if kind == "token_ids" else (),
+        messages=tuple(ChatMessage(m.role, m.content) for m in msg.messages.messages) if kind == "messages" else (),
+        params=sampling_from_proto(msg.sampling),
+        request_id=new_request_id(),
+    )
+
+
+def event_to_proto(event: TokenEvent | FinalEvent) -> pb.GenerateResponse:
+    if isinstance(event, FinalEvent):
+        u = event.usage
+        return pb.GenerateResponse(
+            finish_reason=_FINISH[event.finish_reason], error=event.error,
+            usage=pb.Usage(prompt_tokens=u.prompt_tokens, cached_prompt_tokens=u.cached_prompt_tokens,
+                           completion_tokens=u.completion_tokens, drafted_tokens=u.drafted_tokens,
+                           accepted_tokens=u.accepted_tokens, time_to_first_token_s=u.time_to_first_token_s),
+        )
+    response = pb.GenerateResponse(token_ids=list(event.token_ids), text=event.text)
+    for lp in event.logprobs:
+        response.logprobs.add(token_id=lp.token_id, logprob=lp.logprob)
+    for top in event.top_logprobs:
+        response.top_logprobs.add().candidates.extend(pb.TokenLogprob(token_id=c.token_id, logprob=c.logprob) for c in top)
+    return response
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, engine: Engine, lifecycle: Lifecycle) -> None:
+        self.engine = engine
+        self.lifecycle = lifecycle
+
+    @grpc_errors
+    async def Generate(self, request, context):
+        # When the client cancels, grpc cancels this generator; leaving the
+        # engine's iterator then drops the sequence and frees its KV slot.
+        async for event in self.engine.generate(request_from_proto(request)):
+            yield event_to_proto(event)
+
+    @grpc_errors
+    async def Tokenize(self, request, context):
+        return pb.TokenizeResponse(token_ids=await self.engine.tokenize(request.model, request.text))
+
+    @grpc_errors
+    async def Detokenize(self, request, context):
+        return pb.DetokenizeResponse(text=await self.engine.detokenize(request.model, list(request.token_ids)))

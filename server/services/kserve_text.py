@@ -1,0 +1,90 @@
+"""Language models over the KServe protocol: BYTES `text_input` in,
+`text_output` out, sampling options as request parameters under the same
+names as modeld.v1.Generation, usage figures as response parameters."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from modeld.backends.errors import InvalidArgument
+from modeld.backends.generation.params import FinalEvent, GenerateRequest, SamplingParams, SpeculativeMode, Usage
+from modeld.gen import inference_pb2 as pb
+from modeld.server.services.convert import decode_tensor, encode_bytes, parameter_value
+
+_NUMERIC = {"max_tokens": int, "top_k": int, "seed": int, "logprobs": int, "num_speculative_tokens": int,
+            "temperature": float, "top_p": float, "min_p": float}
+_BOOLEAN = ("ignore_eos", "cache_prompt")
+_TRITON_RESERVED = ("triton_enable_empty_final_response", "priority", "timeout")
+
+
+def text_request(msg: pb.ModelInferRequest, request_id: str) -> GenerateRequest:
+    texts = [decode_tensor(t, msg.raw_input_contents[i] if msg.raw_input_contents else None)
+             for i, t in enumerate(msg.inputs) if t.name == "text_input"]
+    if not texts or texts[0].size != 1:
+        raise InvalidArgument("a language model takes one BYTES input 'text_input' holding one prompt (shape [1])")
+    prompt = texts[0].reshape(-1)[0]
+    try:
+        prompt = prompt.decode("utf-8") if isinstance(prompt, bytes) else str(prompt)
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(f"text_input is not valid UTF-8: {exc}") from None
+    params = {k: parameter_value(v) for k, v in msg.parameters.items()}
+    return GenerateRequest(msg.model_name, prompt=prompt, params=sampling_from_parameters(params), request_id=request_id)
+
+
+def sampling_from_parameters(params: dict) -> SamplingParams:
+    values = {}
+    for key, value in params.items():
+        if key in _NUMERIC:
+            if isinstance(value, (bool, str)) or value is None:
+                raise InvalidArgument(f"parameter {key} must be a number, got {value!r}")
+            values[key] = _NUMERIC[key](value)
+        elif key in _BOOLEAN:
+            if not isinstance(value, bool):
+                raise InvalidArgument(f"parameter {key} must be a bool_param, got {value!r}")
+            values[key] = value
+        elif key == "stop":
+            values["stop"] = _string_list(key, value)
+        elif key == "speculative":
+            try:
+                values["speculative"] = SpeculativeMode(str(value))
+            except ValueError:
+                raise InvalidArgument(f"parameter speculative must be none, ngram or draft, got {value!r}") from None
+        elif key not in _TRITON_RESERVED:
+            raise InvalidArgument(f"unknown generation parameter {key!r}; known: "
+                                  f"{', '.join(sorted([*_NUMERIC, *_BOOLEAN, 'stop', 'speculative']))}")
+    return SamplingParams(**values)
+
+
+def _string_list(key: str, value) -> tuple[str, ...]:
+    """A stop parameter is one string, or a JSON list of strings."""
+    if not isinstance(value, str):
+        raise InvalidArgument(f"parameter {key} must be a string or a JSON list of strings")
+    if value.startswith("["):
+        try:
+            items = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(f"parameter {key} is not a valid JSON list: {exc}") from None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise InvalidArgument(f"parameter {key} must be a JSON list of strings")
+        return tuple(items)
+    return (value,)
+
+
+def text_response(msg: pb.ModelInferRequest, text: str | None, final: FinalEvent | None = None) -> pb.ModelInferResponse:
+    """One response: a text chunk (or none), with usage when it is the last."""
+    response = pb.ModelInferResponse(model_name=msg.model_name, model_version="1", id=msg.id)
+    if text is not None:
+        response.outputs.add(name="text_output", datatype="BYTES", shape=[1])
+        response.raw_output_contents.append(encode_bytes(np.array([text.encode("utf-8")], dtype=object)))
+    if final is not None:
+        add_usage(response, final.usage)
+        response.parameters["finish_reason"].string_param = final.finish_reason.value
+    return response
+
+
+def add_usage(response: pb.ModelInferResponse, usage: Usage) -> None:
+    for name in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "drafted_tokens", "accepted_tokens"):
+        response.parameters[name].int64_param = getattr(usage, name)
+    response.parameters["time_to_first_token_s"].double_param = usage.time_to_first_token_s
