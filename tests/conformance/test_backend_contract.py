@@ -21,6 +21,7 @@ from conftest import record
 
 import onnx_fixtures
 from modeld.backends.base import Capability
+from modeld.backends.generation.params import FinalEvent, GenerateRequest, SamplingParams, SpeculativeMode
 from modeld.backends.errors import InvalidArgument, Unimplemented
 from modeld.backends.model_config import config_from_json
 from modeld.backends.registry import BACKENDS, BackendRegistry
@@ -35,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[2]
 REGISTRY = BackendRegistry()
 RUNNABLE = [e.name for e in REGISTRY.entries() if e.backend is not None]
 TENSOR_BACKENDS = [n for n in RUNNABLE if Capability.TENSOR_INFERENCE in REGISTRY.get(n).capabilities]
+GENERATIVE_BACKENDS = [n for n in RUNNABLE if Capability.GENERATION in REGISTRY.get(n).capabilities]
+GGUF = ROOT / "models/smollm2/model.gguf"
 
 
 def test_every_registered_backend_is_accounted_for():
@@ -60,6 +63,10 @@ def _engine(tmp_path: Path, budget: int = 2**31) -> Engine:
 
 
 def _inline(engine: Engine, name: str, backend: str, model: bytes, **config):
+    if backend in GENERATIVE_BACKENDS:
+        body = {"backends": [backend], "format": "gguf", "artifact": "model.gguf",
+                "llamacpp": {"n_ctx": 4096, "n_slots": 4, "context_length": 1024}}
+        return engine.repository.add_inline(name, json.dumps(body), {"file:model.gguf": GGUF.read_bytes()})
     body = {"backends": [backend], "batching": {"max_batch_size": 16, "max_queue_delay_us": 2000}} | config
     files = {"file:model.onnx": model}
     if "text" in config:
@@ -135,7 +142,7 @@ async def test_missing_capabilities_fail_closed_with_the_reason(backend, tmp_pat
     lacking = sorted(set(Capability) - REGISTRY.get(backend).capabilities - {Capability.GPU}, key=lambda c: c.value)
     for capability in lacking:
         request = InferRequest("double", {"x": np.zeros((1, 3), np.int64)},
-                               required=frozenset({Capability.TENSOR_INFERENCE, capability}))
+                               required=frozenset({capability}))
         with pytest.raises(Unimplemented) as err:
             await engine.infer(request)
         assert backend in str(err.value) and capability.value in str(err.value)
@@ -172,3 +179,66 @@ async def test_cancelled_request_never_runs(backend, tmp_path):
     assert engine.stats("double").inference_count == 9
     record(backend, "cancellation", "yes: dropped before it ran")
     await engine.stop()
+
+
+async def _collect(engine: Engine, request) -> tuple[list[int], object, int]:
+    tokens, events = [], 0
+    async for event in engine.generate(request):
+        if isinstance(event, FinalEvent):
+            return tokens, event, events
+        tokens.extend(event.token_ids)
+        events += 1
+    raise AssertionError("no final event")
+
+
+def _gen(prompt: str, **params) -> GenerateRequest:
+    return GenerateRequest("llm", prompt=prompt, params=SamplingParams(**{"max_tokens": 12, **params}))
+
+
+@pytest.mark.parametrize("backend", GENERATIVE_BACKENDS)
+async def test_generative_backend_contract(backend, tmp_path):
+    engine = _engine(tmp_path)
+    served = await engine.load("llm", _inline(engine, "llm", backend, b""))
+    assert served.loaded.nbytes >= GGUF.stat().st_size and engine.memory.used == served.loaded.nbytes
+    record(backend, "load/unload bytes", f"reported {served.loaded.nbytes / 1e6:.0f} MB (weights + KV cache)")
+    caps = REGISTRY.get(backend).capabilities
+
+    tokens, final, events = await _collect(engine, _gen("The capital of France is"))
+    assert len(tokens) == final.usage.completion_tokens == 12 and events >= 2
+    record(backend, "generation", "yes")
+    record(backend, "streaming", f"yes: {events} events for 12 tokens")
+
+    runs = await asyncio.gather(*(_collect(engine, _gen(p)) for p in ("One", "Two", "Three")))
+    assert all(len(r[0]) == 12 for r in runs)
+    record(backend, "continuous_batching", f"declared={Capability.CONTINUOUS_BATCHING in caps}, 3 concurrent streams served")
+
+    again = await _collect(engine, _gen("The capital of France is"))
+    assert again[0] == tokens and (again[1].usage.cached_prompt_tokens > 0) == (Capability.PREFIX_CACHE in caps)
+    record(backend, "prefix_cache", f"{again[1].usage.cached_prompt_tokens} of {again[1].usage.prompt_tokens} prompt tokens reused")
+
+    spec = await _collect(engine, _gen("a b c a b c a b c a b", speculative=SpeculativeMode.NGRAM, max_tokens=16))
+    plain = await _collect(engine, _gen("a b c a b c a b c a b", max_tokens=16, cache_prompt=False))
+    assert spec[0] == plain[0] and spec[1].usage.drafted_tokens > 0
+    record(backend, "speculative_decoding", f"ngram: {spec[1].usage.accepted_tokens}/{spec[1].usage.drafted_tokens} drafts accepted, output identical")
+
+    logged = await _collect(engine, _gen("Hi", logprobs=2, max_tokens=3))
+    assert logged[2] >= 1
+    record(backend, "logprobs", "yes")
+
+    bad = await asyncio.gather(_collect(engine, _gen("fine")), _collect(engine, _gen("bad", top_p=0.0)),
+                               return_exceptions=True)
+    assert isinstance(bad[1], InvalidArgument) and len(bad[0][0]) == 12
+    record(backend, "bad request isolation", "yes")
+
+    stream = engine.generate(_gen("Count slowly to one hundred:", max_tokens=500, ignore_eos=True))
+    await stream.__anext__()
+    await stream.aclose()  # the client went away
+    for _ in range(100):
+        if not served.loaded.scheduler.running:
+            break
+        await asyncio.sleep(0.02)
+    assert not served.loaded.scheduler.running
+    record(backend, "cancellation", "yes: the sequence left the batch and its slot was freed")
+
+    await engine.unload("llm")
+    assert engine.memory.used == 0
