@@ -101,6 +101,13 @@ def make_sentences(n: int = N_SENTENCES, seed: int = SEED) -> list[str]:
 
 # --------------------------------------------------------------------------- statistics
 
+def with_load(result: dict) -> dict:
+    """Tags a measurement with the 1-minute load average: on a shared machine a slow figure
+    next to a high load is noise from the neighbours, not a regression."""
+    result["load_avg_1m_after"] = os.getloadavg()[0]
+    return result
+
+
 def latency_summary(seconds: list[float]) -> dict:
     ms = np.asarray(seconds) * 1e3
     return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
@@ -416,11 +423,11 @@ def run_daemon_measurements(daemon: Daemon, sentences: list[str], results: dict)
         results["embedding_max_abs_diff_daemon_vs_inproc"] = embeddings_agree(client, sentences)
 
         lat = results["latency"]
-        lat["daemon"] = daemon_latency(client, sentences)
+        lat["daemon"] = with_load(daemon_latency(client, sentences))
         print(f"latency daemon:     p50 {lat['daemon']['p50_ms']:.2f} ms  p99 {lat['daemon']['p99_ms']:.2f} ms")
 
         thr = results["throughput"]
-        thr["batching_on"] = measure_throughput(client, url, "minilm", sentences)
+        thr["batching_on"] = with_load(measure_throughput(client, url, "minilm", sentences))
         print(f"throughput ON:      {thr['batching_on']['requests_per_s']:.1f} req/s "
               f"({thr['batching_on']['requests']} in {thr['batching_on']['seconds']:.1f} s, "
               f"{thr['batching_on']['errors']} errors, mean batch {thr['batching_on']['mean_batch_size']:.1f})")
@@ -428,7 +435,7 @@ def run_daemon_measurements(daemon: Daemon, sentences: list[str], results: dict)
         load_nobatch_copy(client)
         try:
             wait_model_ready(client, NOBATCH_MODEL)
-            thr["batching_off"] = measure_throughput(client, url, NOBATCH_MODEL, sentences)
+            thr["batching_off"] = with_load(measure_throughput(client, url, NOBATCH_MODEL, sentences))
         finally:
             client.unload_model(NOBATCH_MODEL)
         print(f"throughput OFF:     {thr['batching_off']['requests_per_s']:.1f} req/s "
@@ -463,10 +470,10 @@ def main() -> int:
 
     # In-process figures are taken with the daemon stopped, so it cannot steal CPU from them.
     lat = results["latency"]
-    lat["inproc_onnxruntime"] = inproc_latency(sentences)
+    lat["inproc_onnxruntime"] = with_load(inproc_latency(sentences))
     print(f"latency in-process: p50 {lat['inproc_onnxruntime']['p50_ms']:.2f} ms  "
           f"p99 {lat['inproc_onnxruntime']['p99_ms']:.2f} ms")
-    st = sentence_transformers_throughput(sentences)
+    st = with_load(sentence_transformers_throughput(sentences))
     results["throughput"]["sentence_transformers_one_at_a_time"] = st
     print(f"sentence-transformers one at a time: {st['requests_per_s']:.1f} req/s "
           f"({st['requests']} in {st['seconds']:.1f} s)")

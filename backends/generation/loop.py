@@ -88,7 +88,7 @@ class GenerationLoop:
         if request.params.speculative is SpeculativeMode.DRAFT and self.draft is None:
             from modeld.backends.errors import Unimplemented
 
-            raise Unimplemented("this model has no draft model configured (set llamacpp.draft_model in model.toml)")
+            raise Unimplemented("this model has no draft model configured (set draft_model under [llamacpp] in model.toml)")
         seq = Sequence(self.prompt_ids(request), request.params)
         seq.rng = make_rng(request.params.seed)
         seq.stream = _Stream(asyncio.Queue(), IncrementalText(request.params.stop))
@@ -131,7 +131,7 @@ class GenerationLoop:
                 self.observer.on_step(len(s.running), len(s.waiting), s.num_used_cells, s.config.kv_capacity)
 
     async def _run_step(self) -> None:
-        self._propose_drafts()
+        await self._propose_drafts()
         plan = self.scheduler.schedule()
         if not plan.work:
             if plan.kv_ops:
@@ -147,18 +147,24 @@ class GenerationLoop:
             if not work.seq.is_cancelled and work.seq.finish_reason is None:
                 self._apply(work, rows)
 
-    def _propose_drafts(self) -> None:
+    async def _propose_drafts(self) -> None:
+        wanted: dict[Sequence, int] = {}
         for seq in self.scheduler.running:
             seq.draft_ids = []
-            if seq.is_prefilling or seq.params.speculative is SpeculativeMode.NONE:
+            if seq.is_prefilling or seq.params.speculative is SpeculativeMode.NONE or seq.is_cancelled:
                 continue
             room = min(seq.params.num_speculative_tokens, seq.params.max_tokens - seq.num_output - 1)
             if room <= 0:
                 continue
             if seq.params.speculative is SpeculativeMode.NGRAM:
                 seq.draft_ids = propose_ngram(seq.token_ids, room)
-            elif self.draft is not None:
-                seq.draft_ids = self.draft.propose(seq, room)
+            else:
+                wanted[seq] = room
+        if wanted and self.draft is not None:
+            # the draft model decodes k tokens for every sequence, batched, off the loop
+            proposals = await anyio.to_thread.run_sync(self.draft.propose, wanted)
+            for seq, draft_ids in proposals.items():
+                seq.draft_ids = draft_ids
 
     def _apply(self, work: SeqWork, rows: np.ndarray) -> None:
         seq = work.seq
@@ -264,8 +270,13 @@ class GenerationLoop:
 
 
 class DraftRunner(Protocol):
-    """A draft model kept in step with the target's sequences."""
+    """A draft model kept in step with the target's sequences.
 
-    def propose(self, seq: Sequence, num_tokens: int) -> list[int]: ...
+    `propose` runs in a worker thread between steps; `accept` and `release`
+    only record state on the event loop (the KV fix-ups happen in the next
+    `propose`).
+    """
+
+    def propose(self, wanted: dict[Sequence, int]) -> dict[Sequence, list[int]]: ...
     def accept(self, seq: Sequence, num_valid: int) -> None: ...
     def release(self, seq: Sequence) -> None: ...

@@ -99,7 +99,28 @@ class LlamaGenerativeModel(GenerativeModel):
             max_step_tokens=step, max_waiting=int(options["max_waiting"]),
         ))
         self.executor = LlamaExecutor(self.llama_model, self.context)
-        self.loop = GenerationLoop(self.executor, self.scheduler, observer)
+        self.draft = self._load_draft(options, n_ctx, n_slots, step, threads)
+        if self.draft is not None:
+            self.nbytes += self.draft.nbytes
+        self.loop = GenerationLoop(self.executor, self.scheduler, observer, self.draft)
+
+    def _load_draft(self, options: dict, n_ctx: int, n_slots: int, step: int, threads: int):
+        """The draft model named by draft_model (the engine resolves its path)."""
+        from modeld.backends.llamacpp.context import LlamaContext, LlamaModel
+        from modeld.backends.llamacpp.draft import LlamaDraft
+
+        path = options.get("draft_path")
+        if not path:
+            return None
+        rss_before = process_rss()
+        model = LlamaModel(Path(path))
+        if model.vocab_size != self.llama_model.vocab_size:
+            model.close()
+            raise LoadFailed(f"draft model {options.get('draft_model')!r} has {model.vocab_size} tokens, "
+                             f"the target {self.llama_model.vocab_size}: they must share a vocabulary")
+        draft = LlamaDraft(model, LlamaContext(model, n_ctx, n_slots, step, threads), n_slots)
+        draft.nbytes = max(Path(path).stat().st_size + n_ctx * model.kv_bytes_per_token(), process_rss() - rss_before)
+        return draft
 
     def set_observer(self, observer: GenerationObserver) -> None:
         self.loop.observer = observer
@@ -120,5 +141,7 @@ class LlamaGenerativeModel(GenerativeModel):
         return self.executor.detokenize(token_ids)
 
     def unload(self) -> None:
+        if self.draft is not None:
+            self.draft.close()
         self.context.close()
         self.llama_model.close()

@@ -116,6 +116,15 @@ def test_ngram_speculation_is_identical_to_greedy(stub):
     assert 0 < final.usage.accepted_tokens <= final.usage.drafted_tokens
 
 
+def test_draft_model_speculation_is_identical_to_greedy(stub):
+    for prompt in (COPY_PROMPT, "The capital of France is"):
+        plain, _, _ = _generate(stub, prompt, max_tokens=40, cache_prompt=False)
+        fast, _, final = _generate(stub, prompt, max_tokens=40, cache_prompt=False,
+                                   speculative=g.SPECULATIVE_DRAFT, num_speculative_tokens=4)
+        assert fast == plain, prompt
+        assert final.usage.drafted_tokens > 0 and final.usage.accepted_tokens > 0
+
+
 def test_cancelling_mid_stream_frees_the_sequence(stub, daemon):
     call = stub.Generate(g.GenerateRequest(model="smollm2", prompt="Count to one thousand:",
                                            sampling=_params(max_tokens=2000, ignore_eos=True)), timeout=120)
