@@ -59,8 +59,7 @@ def _metric(daemon, name: str) -> float:
 def test_greedy_matches_llama_cpp_python(stub):
     from llama_cpp import Llama
 
-    # flash attention as the daemon uses it (llama.cpp picks it by default;
-    # the high-level wrapper turns it off unless asked)
+    # flash attention, as the daemon runs it (see backends/llamacpp/context.py)
     llm = Llama(str(MODELS / "smollm2/model.gguf"), n_ctx=512, n_threads=2, flash_attn=True, verbose=False)
     for prompt in PROMPTS[:4]:
         ids = llm.tokenize(prompt.encode())
