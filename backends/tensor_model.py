@@ -36,11 +36,13 @@ class GraphModel(LoadedModel):
         _check_declared(config.outputs, self.outputs, "output")
 
     def execute(self, inputs: dict[str, np.ndarray], output_names: tuple[str, ...]) -> dict[str, np.ndarray]:
-        feeds = inputs
-        if self.text is not None:
-            feeds = self.text.encode(inputs[self.config.text.input], {t.name for t in self.graph_inputs})
         names = output_names or tuple(t.name for t in self.outputs)
-        return self._run(feeds, names)
+        if self.text is None:
+            return self._run(inputs, names)
+        texts = inputs[self.config.text.input]
+        buckets = self.text.encode_buckets(texts, {t.name for t in self.graph_inputs})
+        parts = [(rows, self._run(feeds, names)) for rows, feeds in buckets]
+        return {name: _scatter(texts.shape[0], [(rows, out[name]) for rows, out in parts]) for name in names}
 
     def _run(self, feeds: dict[str, np.ndarray], output_names: tuple[str, ...]) -> dict[str, np.ndarray]:
         raise NotImplementedError
@@ -54,6 +56,15 @@ def _check_declared(declared: tuple[TensorSpec, ...], actual: tuple[TensorSpec, 
             raise LoadFailed(f"config declares {kind} {spec.name!r} but the graph has {sorted(by_name)}")
         if found.datatype != spec.datatype:
             raise LoadFailed(f"config declares {kind} {spec.name!r} as {spec.datatype}, the graph has {found.datatype}")
+
+
+def _scatter(num_rows: int, parts: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Put each bucket's output rows back in request order."""
+    first = parts[0][1]
+    out = np.empty((num_rows,) + first.shape[1:], dtype=first.dtype)
+    for rows, values in parts:
+        out[rows] = values
+    return out
 
 
 def process_rss() -> int:

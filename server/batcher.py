@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -65,6 +66,10 @@ class DynamicBatcher:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._busy = False  # a batch is running (one at a time per model)
+        # One thread per model: batches run one at a time, and a dedicated
+        # executor skips the hand-offs of a shared pool.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modeld-batch")
 
     @property
     def num_waiting(self) -> int:
@@ -79,6 +84,7 @@ class DynamicBatcher:
         self._wakeup.set()
         if self._task is not None:
             await self._task
+        self._executor.shutdown(wait=False)
 
     async def submit(self, inputs: dict[str, np.ndarray], output_names: tuple[str, ...]) -> dict[str, np.ndarray]:
         if self._stopping or (self._task is not None and self._task.done()):
@@ -94,13 +100,24 @@ class DynamicBatcher:
             raise InvalidArgument(
                 f"batch of {pending.num_rows} exceeds the model's max_batch_size {self.max_batch_size}"
             )
+        if not self._busy and not self._queue and not self.max_queue_delay_s:
+            # Idle model, nothing to wait for: run in the caller's task and
+            # save the hop through the batching loop. Requests arriving
+            # meanwhile queue up and form the next batch.
+            self._busy = True
+            try:
+                await self._run([pending])
+            finally:
+                self._busy = False
+                self._wakeup.set()
+            return pending.future.result()
         self._queue.append(pending)
         self._wakeup.set()
         return await pending.future
 
     async def _loop(self) -> None:
         while True:
-            if not self._queue:
+            if not self._queue or self._busy:
                 if self._stopping:
                     return
                 self._wakeup.clear()
@@ -108,7 +125,11 @@ class DynamicBatcher:
                 continue
             batch = await self._form_batch()
             if batch:
-                await self._run(batch)
+                self._busy = True
+                try:
+                    await self._run(batch)
+                finally:
+                    self._busy = False
 
     async def _form_batch(self) -> list[_Pending]:
         first = self._queue.popleft()
@@ -173,10 +194,11 @@ class DynamicBatcher:
 
     async def _execute_merged(self, batch: list[_Pending]) -> list[dict[str, np.ndarray]]:
         names = batch[0].output_names
+        loop = asyncio.get_running_loop()
         if len(batch) == 1:
-            return [await anyio.to_thread.run_sync(self._execute, batch[0].inputs, names)]
+            return [await loop.run_in_executor(self._executor, self._execute, batch[0].inputs, names)]
         merged = {name: np.concatenate([b.inputs[name] for b in batch]) for name in batch[0].inputs}
-        outputs = await anyio.to_thread.run_sync(self._execute, merged, names)
+        outputs = await loop.run_in_executor(self._executor, self._execute, merged, names)
         return split_outputs(outputs, [b.num_rows for b in batch])
 
 
