@@ -31,9 +31,11 @@ MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
 class ModelFormat(Enum):
     ONNX = "onnx"
     GGUF = "gguf"
+    SAFETENSORS = "safetensors"  # Hugging Face weights plus config.json
 
 
-DEFAULT_ARTIFACTS = {ModelFormat.ONNX: "model.onnx", ModelFormat.GGUF: "model.gguf"}
+DEFAULT_ARTIFACTS = {ModelFormat.ONNX: "model.onnx", ModelFormat.GGUF: "model.gguf",
+                     ModelFormat.SAFETENSORS: "model.safetensors"}
 
 # Triton `backend` / `platform` values that mean "an ONNX graph".
 _TRITON_ONNX_NAMES = {"onnxruntime", "onnxruntime_onnx", "onnx"}

@@ -17,6 +17,7 @@ BACKENDS: dict[str, str] = {
     "onnx": "modeld.backends.onnx.backend:OnnxBackend",
     "reference": "modeld.backends.reference.backend:ReferenceBackend",
     "llamacpp": "modeld.backends.llamacpp.backend:LlamaCppBackend",
+    "torch": "modeld.backends.torch.backend:TorchBackend",
 }
 
 

@@ -1,0 +1,216 @@
+"""The torch backend: modeld's own LLM runtime.
+
+A Llama-family model (backends/torch/model.py) over a paged KV cache whose
+blocks the PagedScheduler hands out, continuous batching and speculative
+decoding from the shared generation loop. CPU here; CUDA when present, with
+the same code.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+from modeld.backends.base import Backend, Capability, GenerativeModel, Verdict
+from modeld.backends.errors import InvalidArgument, LoadFailed
+from modeld.backends.generation.executor import StepExecutor
+from modeld.backends.generation.loop import GenerationLoop
+from modeld.backends.generation.paged_scheduler import PagedConfig, PagedScheduler
+from modeld.backends.generation.params import ChatMessage
+from modeld.backends.generation.scheduler import StepPlan
+from modeld.backends.model_config import ModelConfig, ModelFormat, TensorSpec
+
+TEXT_SIGNATURE = (TensorSpec("text_input", "BYTES", (1,)),), (TensorSpec("text_output", "BYTES", (1,)),)
+_DEFAULTS = {"block_size": 16, "num_blocks": 1024, "context_length": 2048, "max_running": 16,
+             "max_step_tokens": 512, "max_waiting": 256, "dtype": "float32", "threads": 2, "device": "auto"}
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    priority = 60
+    capabilities = frozenset({
+        Capability.GENERATION, Capability.STREAMING, Capability.CONTINUOUS_BATCHING,
+        Capability.PREFIX_CACHE, Capability.SPECULATIVE_DECODING, Capability.LOGPROBS,
+    })
+
+    def availability(self) -> Verdict:
+        # find_spec, not import: importing the daemon must not load torch
+        for module in ("torch", "gguf"):
+            if importlib.util.find_spec(module) is None:
+                return Verdict.no(f"{module} is not installed")
+        return Verdict.yes()
+
+    def can_serve(self, config: ModelConfig, model_dir: Path) -> Verdict:
+        if config.format is ModelFormat.GGUF:
+            if not (model_dir / config.artifact_path).exists():
+                return Verdict.no(f"model file {config.artifact_path!r} is missing")
+            return Verdict.yes()
+        if config.format is ModelFormat.SAFETENSORS:
+            if not (model_dir / "config.json").is_file():
+                return Verdict.no("safetensors models need config.json")
+            return Verdict.yes()
+        return Verdict.no(f"torch serves GGUF or safetensors language models, not {config.format.value}")
+
+    def estimate_bytes(self, config: ModelConfig, model_dir: Path) -> int:
+        if config.memory_estimate is not None:
+            return config.memory_estimate
+        # dequantized fp32 weights are several times the quantized file
+        path = model_dir / config.artifact_path
+        return (path.stat().st_size if path.is_file() else 0) * 6
+
+    def load(self, config: ModelConfig, model_dir: Path) -> TorchGenerativeModel:
+        return TorchGenerativeModel(config, model_dir)
+
+
+def _pick_device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class TorchExecutor(StepExecutor):
+    def __init__(self, model, tokenizer, scheduler: PagedScheduler, device, dtype) -> None:
+        import torch
+
+        self.model, self.tokenizer, self.scheduler, self.device = model, tokenizer, scheduler, device
+        args = model.args
+        self.vocab_size = args.vocab_size
+        self.eos = set(args.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        cells = scheduler.config.num_blocks * scheduler.config.block_size
+        shape = (cells, args.n_kv_heads, args.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        self.kv_bytes = 2 * args.n_layers * int(np.prod(shape)) * self.k_caches[0].element_size()
+        self._pieces: dict[int, bytes] = {}
+
+    def run(self, plan: StepPlan) -> np.ndarray:
+        from modeld.backends.torch.step import build_step
+
+        batch = build_step(plan, self.scheduler.blocks, self.device)
+        logits = self.model(batch, self.k_caches, self.v_caches)
+        return logits.cpu().numpy()
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special)["input_ids"])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = _token_bytes(self.tokenizer, token_id)
+            self._pieces[token_id] = piece
+        return piece
+
+    def is_end_of_generation(self, token_id: int) -> bool:
+        return token_id in self.eos
+
+    def apply_chat_template(self, messages: tuple[ChatMessage, ...]) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidArgument("this model has no chat template; send a prompt instead")
+        return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                                  tokenize=False, add_generation_prompt=True)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in token_ids).decode("utf-8", errors="replace")
+
+
+_BYTE_DECODER: dict[str, int] | None = None
+
+
+def _token_bytes(tokenizer, token_id: int) -> bytes:
+    """A byte-level BPE token's raw bytes (a token may hold part of a character)."""
+    global _BYTE_DECODER
+    if _BYTE_DECODER is None:
+        # GPT-2's printable stand-ins for the 256 byte values
+        visible = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+        codes, extra = visible[:], 0
+        for b in range(256):
+            if b not in visible:
+                visible.append(b)
+                codes.append(256 + extra)
+                extra += 1
+        _BYTE_DECODER = {chr(c): b for b, c in zip(visible, codes)}
+    token = tokenizer.convert_ids_to_tokens(token_id)
+    if token is None:
+        return b""
+    if token in tokenizer.all_special_tokens:
+        return b""
+    if all(ch in _BYTE_DECODER for ch in token):
+        return bytes(_BYTE_DECODER[ch] for ch in token)
+    return tokenizer.decode([token_id]).encode("utf-8")
+
+
+def load_tokenizer(config: ModelConfig, model_dir: Path):
+    from transformers import AutoTokenizer
+
+    if config.format is ModelFormat.GGUF:
+        path = (model_dir / config.artifact_path).resolve()
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class TorchGenerativeModel(GenerativeModel):
+    def __init__(self, config: ModelConfig, model_dir: Path) -> None:
+        import torch
+
+        from modeld.backends.torch.model import Transformer
+        from modeld.backends.torch.weights import load_gguf, load_safetensors
+
+        options = {**_DEFAULTS, **config.backend_options.get("torch", {})}
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(options["dtype"])
+        if dtype is None:
+            raise LoadFailed(f"[torch] dtype must be float32, bfloat16 or float16, not {options['dtype']!r}")
+        torch.set_num_threads(int(options["threads"]))
+        device = _pick_device(str(options["device"]))
+        if config.format is ModelFormat.GGUF:
+            args, state = load_gguf(model_dir / config.artifact_path)
+        else:
+            args, state = load_safetensors(model_dir)
+        model = Transformer(args, bias=any(k.endswith(".bias") for k in state))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not (m == "output.weight" and args.tie_embeddings)]
+        if missing or unexpected:
+            raise LoadFailed(f"checkpoint does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        model.tie()
+        self.model = model.to(device=device, dtype=dtype).eval()
+        self.tokenizer = load_tokenizer(config, model_dir)
+        block_size = int(options["block_size"])
+        self.scheduler = PagedScheduler(PagedConfig(
+            num_blocks=int(options["num_blocks"]), block_size=block_size,
+            context_length=min(int(options["context_length"]), args.max_seq_len),
+            max_running=int(options["max_running"]), max_step_tokens=int(options["max_step_tokens"]),
+            max_waiting=int(options["max_waiting"]),
+        ))
+        self.executor = TorchExecutor(self.model, self.tokenizer, self.scheduler, device, dtype)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.nbytes = weight_bytes + self.executor.kv_bytes
+        self.inputs, self.outputs = TEXT_SIGNATURE
+        self.device = device
+        self.loop = GenerationLoop(self.executor, self.scheduler)
+
+    def set_observer(self, observer) -> None:
+        self.loop.observer = observer
+
+    async def start(self) -> None:
+        self.loop.start()
+
+    async def stop(self) -> None:
+        await self.loop.stop()
+
+    def generate(self, request):
+        return self.loop.generate(request)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.executor.tokenize(text)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.executor.detokenize(token_ids)
+
+    def unload(self) -> None:
+        self.executor.k_caches.clear()
+        self.executor.v_caches.clear()
+        self.model = None
+        self.executor.model = None

@@ -1,0 +1,48 @@
+"""Turn a scheduler step (plain data) into the tensors of one forward pass."""
+
+from __future__ import annotations
+
+import torch
+
+from modeld.backends.generation.block_manager import BlockManager
+from modeld.backends.generation.scheduler import StepPlan
+from modeld.backends.torch.model import StepBatch
+
+
+def _cache_index(table: list[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat KV-cache index of each position through a block table."""
+    blocks = torch.tensor(table, dtype=torch.long)
+    return blocks[positions // block_size] * block_size + positions % block_size
+
+
+def build_step(plan: StepPlan, blocks: BlockManager, device: torch.device) -> StepBatch:
+    bs = blocks.block_size
+    num_seqs = len(plan.work)
+    lengths = [len(w.token_ids) for w in plan.work]
+    contexts = [w.start_pos + n for w, n in zip(plan.work, lengths)]
+    max_q, max_c = max(lengths), max(contexts)
+    input_ids = torch.tensor([t for w in plan.work for t in w.token_ids], dtype=torch.long)
+    positions = torch.cat([torch.arange(w.start_pos, w.start_pos + n) for w, n in zip(plan.work, lengths)])
+    starts = torch.tensor([w.start_pos for w in plan.work])
+    offsets = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    q_range = torch.arange(max_q)
+    query_valid = q_range[None, :] < torch.tensor(lengths)[:, None]  # [S, Q]
+    query_index = torch.where(query_valid, offsets[:, None] + q_range[None, :], 0)
+    kv_index = torch.zeros((num_seqs, max_c), dtype=torch.long)
+    slots = []
+    for s, (work, n, ctx) in enumerate(zip(plan.work, lengths, contexts)):
+        index = _cache_index(blocks.tables[work.seq.seq_id], torch.arange(ctx), bs)
+        kv_index[s, :ctx] = index
+        slots.append(index[work.start_pos:])
+    q_pos = starts[:, None] + q_range[None, :]  # [S, Q]
+    kv_pos = torch.arange(max_c)
+    mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # causal; also hides padding past each context
+    # padded query rows attend to position 0 only, so softmax never sees an empty row
+    mask = torch.where(query_valid[:, :, None], mask, kv_pos[None, None, :] == 0)
+    logit_rows = torch.cat([torch.arange(o + n - w.num_logits, o + n)
+                            for w, o, n in zip(plan.work, offsets.tolist(), lengths)])
+    return StepBatch(
+        input_ids=input_ids.to(device), positions=positions.to(device), slots=torch.cat(slots).to(device),
+        query_index=query_index.to(device), query_valid=query_valid.to(device), kv_index=kv_index.to(device),
+        mask=mask[:, None].to(device), logit_rows=logit_rows.to(device),
+    )
