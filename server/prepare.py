@@ -147,6 +147,7 @@ def prepare_repository(root: Path) -> None:
     say(f"preparing embedded models in {root}")
     prepare_minilm(root / "minilm")
     prepare_smollm2(root / "smollm2")
+    prepare_smollm2(root / "smollm2-torch")
     prepare_smollm2_draft(root / "smollm2-draft", root / "smollm2" / "model.gguf")
     demo = root / "softcap_demo" / "model.onnx"
     if not demo.is_file():

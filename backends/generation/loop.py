@@ -60,6 +60,8 @@ class GenerationLoop:
     # -- lifecycle -------------------------------------------------------------
 
     def start(self) -> None:
+        self._stopping = False
+        self._wakeup = asyncio.Event()  # bound to the loop that runs it
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:

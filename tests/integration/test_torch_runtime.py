@@ -1,0 +1,112 @@
+"""modeld's torch runtime against Hugging Face transformers on the same
+weights (SmolLM2 dequantized from the GGUF), greedy, token for token."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import MODELS
+from modeld.backends.generation.params import FinalEvent, GenerateRequest, SamplingParams, SpeculativeMode
+from modeld.backends.model_config import load_model_toml
+from modeld.backends.torch.backend import TorchBackend
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time there was",
+           "1, 2, 3, 4,", "Water boils at a temperature of"]
+LONG = "Please answer briefly and politely. " * 8 + "The capital of France is"
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    config = load_model_toml("smollm2-torch", MODELS / "smollm2-torch/model.toml")
+    return TorchBackend().load(config, MODELS / "smollm2-torch")
+
+
+@pytest.fixture(scope="module")
+def reference(runtime):
+    """transformers' LlamaForCausalLM on the same GGUF: greedy continuations."""
+    from transformers import AutoModelForCausalLM
+
+    path = (MODELS / "smollm2-torch/model.gguf").resolve()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
+    model.eval()
+    out = {}
+    for prompt in PROMPTS + [LONG]:
+        ids = runtime.tokenize(prompt)
+        with torch.inference_mode():
+            generated = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                       attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        # transformers stops at end-of-sequence; the runtime runs on (ignore_eos), so
+        # the comparison covers transformers' tokens, EOS included
+        out[prompt] = generated[0, len(ids):].tolist()
+    return out
+
+
+def _same(tokens: list[int], expected: list[int]) -> bool:
+    return len(expected) >= 4 and tokens[:len(expected)] == expected[:len(tokens)]
+
+
+def _run(runtime, coro_factory):
+    async def main():
+        await runtime.start()
+        try:
+            return await coro_factory()
+        finally:
+            await runtime.stop()
+    return asyncio.run(main())
+
+
+async def _generate(runtime, prompt, **params):
+    tokens = []
+    request = GenerateRequest("smollm2-torch", prompt=prompt,
+                              params=SamplingParams(**{"max_tokens": NEW_TOKENS, "ignore_eos": True, **params}))
+    async for event in runtime.generate(request):
+        if isinstance(event, FinalEvent):
+            return tokens, event.usage
+        tokens.extend(event.token_ids)
+
+
+def test_alone_matches_transformers(runtime, reference):
+    async def go():
+        return [await _generate(runtime, p, cache_prompt=False) for p in PROMPTS]
+    for prompt, (tokens, _) in zip(PROMPTS, _run(runtime, go)):
+        assert _same(tokens, reference[prompt]), prompt
+
+
+def test_batch_of_eight_with_mixed_lengths_matches_transformers(runtime, reference):
+    batch = PROMPTS + PROMPTS[:3]
+
+    async def go():
+        return await asyncio.gather(*(_generate(runtime, p, cache_prompt=False, max_tokens=NEW_TOKENS - 4 * (i % 3))
+                                      for i, p in enumerate(batch)))
+    for i, (prompt, (tokens, _)) in enumerate(zip(batch, _run(runtime, go))):
+        assert _same(tokens, reference[prompt]), prompt
+
+
+def test_prefix_cache_hits_match_transformers(runtime, reference):
+    async def go():
+        return await _generate(runtime, LONG), await _generate(runtime, LONG)
+    (cold, usage_cold), (warm, usage_warm) = _run(runtime, go)
+    assert _same(cold, reference[LONG]) and _same(warm, reference[LONG])
+    assert usage_cold.cached_prompt_tokens == 0
+    assert usage_warm.cached_prompt_tokens >= 48  # whole 16-token blocks of the prompt
+
+
+def test_speculation_matches_transformers(runtime, reference):
+    async def go():
+        return [await _generate(runtime, p, cache_prompt=False, speculative=SpeculativeMode.NGRAM,
+                                num_speculative_tokens=4) for p in PROMPTS]
+    results = _run(runtime, go)
+    for prompt, (tokens, usage) in zip(PROMPTS, results):
+        assert _same(tokens, reference[prompt]), prompt
+    assert sum(u.drafted_tokens for _, u in results) > 0
+
+
+def test_blocks_all_return_after_the_runs(runtime):
+    blocks = runtime.scheduler.blocks
+    assert not runtime.scheduler.running and not runtime.scheduler.waiting
+    assert all(b.ref_count == 0 for b in blocks.blocks) and blocks.num_free == len(blocks.blocks)
