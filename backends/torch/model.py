@@ -26,7 +26,7 @@ class StepBatch:
 
     input_ids, positions, slots: [T] (slots: flat KV-cache index per token)
     query_index: [S, Q] index into T (padding points at 0, masked)
-    query_valid: [S, Q] bool
+    query_rows:  [T] index into the flattened [S * Q] query grid, in token order
     kv_index:    [S, C] flat KV-cache index per context position (padding 0)
     mask:        [S, 1, Q, C] bool, True where attention is allowed
     logit_rows:  [L] rows of T whose logits are returned
@@ -36,7 +36,7 @@ class StepBatch:
     positions: torch.Tensor
     slots: torch.Tensor
     query_index: torch.Tensor
-    query_valid: torch.Tensor
+    query_rows: torch.Tensor
     kv_index: torch.Tensor
     mask: torch.Tensor
     logit_rows: torch.Tensor
@@ -85,13 +85,16 @@ class Attention(nn.Module):
         # caches: [num_blocks * block_size, kv_heads, head_dim]
         k_cache.index_copy_(0, batch.slots, k)
         v_cache.index_copy_(0, batch.slots, v)
-        queries = q[batch.query_index].transpose(1, 2)  # [S, heads, Q, head_dim]
-        keys = k_cache[batch.kv_index].transpose(1, 2)  # [S, kv_heads, C, head_dim]
-        values = v_cache[batch.kv_index].transpose(1, 2)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask,
-                                             enable_gqa=self.n_heads != self.n_kv_heads)
-        out = out.transpose(1, 2)[batch.query_valid]  # [T, heads, head_dim], in token order
-        return self.wo(out.reshape(tokens, self.n_heads * self.head_dim))
+        num_seqs, max_q = batch.query_index.shape
+        max_c = batch.kv_index.shape[1]
+        # index_select on flat indices: several times cheaper than advanced indexing here
+        queries = q.index_select(0, batch.query_index.view(-1)).view(num_seqs, max_q, self.n_heads, self.head_dim)
+        keys = k_cache.index_select(0, batch.kv_index.view(-1)).view(num_seqs, max_c, self.n_kv_heads, self.head_dim)
+        values = v_cache.index_select(0, batch.kv_index.view(-1)).view(num_seqs, max_c, self.n_kv_heads, self.head_dim)
+        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=batch.mask, enable_gqa=self.n_heads != self.n_kv_heads)
+        out = out.transpose(1, 2).reshape(num_seqs * max_q, self.n_heads * self.head_dim)  # [S * Q, dim]
+        return self.wo(out.index_select(0, batch.query_rows))  # [T, dim], in token order
 
 
 class FeedForward(nn.Module):

@@ -43,6 +43,7 @@ def build_step(plan: StepPlan, blocks: BlockManager, device: torch.device) -> St
                             for w, o, n in zip(plan.work, offsets.tolist(), lengths)])
     return StepBatch(
         input_ids=input_ids.to(device), positions=positions.to(device), slots=torch.cat(slots).to(device),
-        query_index=query_index.to(device), query_valid=query_valid.to(device), kv_index=kv_index.to(device),
+        query_index=query_index.to(device), query_rows=query_valid.view(-1).nonzero().view(-1).to(device),
+        kv_index=kv_index.to(device),
         mask=mask[:, None].to(device), logit_rows=logit_rows.to(device),
     )
