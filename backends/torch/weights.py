@@ -122,7 +122,7 @@ def load_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
             values = _unpermute(values, n_heads)
         elif arch == "llama" and ".attn_k." in tensor.name:
             values = _unpermute(values, n_kv)
-        state[name] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        state[name] = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy of the mmap
     embed = state["tok_embeddings.weight"]
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")

