@@ -224,3 +224,15 @@ def test_tritonclient_streams_tokens_from_smollm2(daemon):
     with pytest.raises(InferenceServerException) as err:
         client.infer("smollm2", [prompt], parameters={"temperature": "hot"})
     assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+
+
+def test_the_torch_runtime_serves_through_the_daemon(daemon):
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = gg.GenerationStub(channel)
+        request = g.GenerateRequest(model="smollm2-torch", prompt="The capital of France is",
+                                    sampling=_params(max_tokens=8, logprobs=1))
+        responses = list(stub.Generate(request, timeout=120))
+    assert responses[-1].usage.completion_tokens == 8
+    assert "".join(r.text for r in responses).startswith(" Paris")
+    client = tc.InferenceServerClient(daemon.address)
+    assert client.get_model_metadata("smollm2-torch").platform == "modeld_torch"
