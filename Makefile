@@ -51,6 +51,7 @@ test-all: models node
 bench: models
 	$(BIN)/python bench/bench_minilm.py
 	$(BIN)/python bench/bench_llamacpp.py
+	$(BIN)/python bench/bench_torch.py
 
 proto: $(STAMP)
 	$(BIN)/python gen/build.py

@@ -179,16 +179,18 @@ class Engine:
         raise InvalidArgument(f"no backend could load model {name!r}: {reason}")
 
     def _resolve_draft(self, source: ModelSource) -> ModelSource:
-        """Turn `draft_model = "<name>"` into the draft's file path for the backend."""
-        options = source.config.backend_options.get("llamacpp", {})
-        draft_name = options.get("draft_model")
-        if not draft_name:
-            return source
-        if not isinstance(draft_name, str) or draft_name == source.config.name:
-            raise InvalidArgument(f"model {source.config.name!r}: draft_model must name another model")
-        draft = self.repository.resolve(draft_name)
-        path = (draft.model_dir / draft.config.artifact_path).resolve()
-        backend_options = {**source.config.backend_options, "llamacpp": {**options, "draft_path": str(path)}}
+        """Turn `draft_model = "<name>"` under a backend's table into the
+        draft's file path, which the backend loads next to the target."""
+        backend_options = dict(source.config.backend_options)
+        for section, options in source.config.backend_options.items():
+            draft_name = options.get("draft_model")
+            if not draft_name:
+                continue
+            if not isinstance(draft_name, str) or draft_name == source.config.name:
+                raise InvalidArgument(f"model {source.config.name!r}: draft_model must name another model")
+            draft = self.repository.resolve(draft_name)
+            path = (draft.model_dir / draft.config.artifact_path).resolve()
+            backend_options[section] = {**options, "draft_path": str(path)}
         return dataclasses.replace(source, config=dataclasses.replace(source.config, backend_options=backend_options))
 
     async def _load_on(self, backend: Backend, source: ModelSource, exclude: frozenset[str] = frozenset()) -> ServedModel:

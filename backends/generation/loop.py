@@ -48,7 +48,7 @@ class _Stream:
 
 class GenerationLoop:
     def __init__(self, executor: StepExecutor, scheduler: Scheduler, observer: GenerationObserver | None = None,
-                 draft: "DraftRunner | None" = None) -> None:
+                 draft: "DraftRunner | None" = None, worker: ThreadPoolExecutor | None = None) -> None:
         self.executor = executor
         self.scheduler = scheduler
         self.observer = observer
@@ -59,7 +59,7 @@ class GenerationLoop:
         # Always the same worker thread: torch's OpenMP team and llama.cpp's
         # thread pool stay warm (a fresh thread per step made torch steps
         # 2-3x slower here).
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modeld-step")
+        self._executor = worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix="modeld-step")
 
     # -- lifecycle -------------------------------------------------------------
 

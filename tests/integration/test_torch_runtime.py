@@ -4,7 +4,7 @@ weights (SmolLM2 dequantized from the GGUF), greedy, token for token."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
+import dataclasses
 
 import pytest
 import torch
@@ -23,6 +23,9 @@ NEW_TOKENS = 32
 @pytest.fixture(scope="module")
 def runtime():
     config = load_model_toml("smollm2-torch", MODELS / "smollm2-torch/model.toml")
+    # the engine resolves draft_model to a path; here we do it by hand
+    options = {**config.backend_options["torch"], "draft_path": str(MODELS / "smollm2-draft/model.gguf")}
+    config = dataclasses.replace(config, backend_options={"torch": options})
     return TorchBackend().load(config, MODELS / "smollm2-torch")
 
 
@@ -104,6 +107,16 @@ def test_speculation_matches_transformers(runtime, reference):
     for prompt, (tokens, usage) in zip(PROMPTS, results):
         assert _same(tokens, reference[prompt]), prompt
     assert sum(u.drafted_tokens for _, u in results) > 0
+
+
+def test_draft_model_speculation_matches_transformers(runtime, reference):
+    async def go():
+        return [await _generate(runtime, p, cache_prompt=False, speculative=SpeculativeMode.DRAFT,
+                                num_speculative_tokens=3) for p in PROMPTS[:3]]
+    results = _run(runtime, go)
+    for prompt, (tokens, usage) in zip(PROMPTS, results):
+        assert _same(tokens, reference[prompt]), prompt
+        assert usage.drafted_tokens > 0 and usage.accepted_tokens > 0
 
 
 def test_blocks_all_return_after_the_runs(runtime):
