@@ -72,7 +72,7 @@ def transformers_peer() -> dict:
     return result
 
 
-async def modeld_side() -> dict:
+async def modeld_side(dtype: str = "float32", full: bool = True) -> dict:
     import grpc
 
     from conftest import start_daemon
@@ -81,6 +81,9 @@ async def modeld_side() -> dict:
 
     repo = Path(tempfile.mkdtemp(prefix="modeld-bench-"))
     shutil.copytree(ROOT / "models/smollm2-torch", repo / "smollm2-torch", symlinks=True)
+    toml = repo / "smollm2-torch/model.toml"
+    lines = [line for line in toml.read_text().splitlines() if not line.startswith(("dtype", "draft_model"))]
+    toml.write_text("\n".join(lines).replace("[torch]", f'[torch]\ndtype = "{dtype}"') + "\n")
     daemon = start_daemon("--metrics-port", "-1", repository=repo)
 
     async def stream(prompt: str, max_tokens: int, **sampling) -> dict:
@@ -102,6 +105,8 @@ async def modeld_side() -> dict:
     try:
         await stream("Warm up", 4)
         single = [await stream(p, NEW_TOKENS, cache_prompt=False) for p in PROMPTS[:3]]
+        if not full:
+            return {"single_decode_tok_s": statistics.median(decode_rate(r) for r in single)}
         start = time.perf_counter()
         many = await asyncio.gather(*(stream(p, NEW_TOKENS, cache_prompt=False) for p in PROMPTS))
         wall = time.perf_counter() - start
@@ -145,6 +150,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     peer = transformers_peer()
     mine = asyncio.run(modeld_side())
+    mine["bfloat16_single_decode_tok_s"] = asyncio.run(modeld_side("bfloat16", full=False))["single_decode_tok_s"]
     ratios = {
         "single": mine["single_decode_tok_s"] / peer["generate_tok_s"],
         "concurrent8": mine["concurrent8_tok_s"] / peer["padded_batch8_tok_s"],
@@ -166,6 +172,8 @@ def main() -> None:
           f"prefix ttft {mine['prefix']['cold_ttft_s']:.2f} s cold -> {mine['prefix']['warm_ttft_s']:.2f} s warm "
           f"({mine['prefix']['cached_tokens']} cached); n-gram {mine['ngram']['plain_tok_s']:.1f} -> {mine['ngram']['spec_tok_s']:.1f} tok/s "
           f"identical={mine['ngram']['identical']} ({mine['ngram']['accepted']}/{mine['ngram']['drafted']} accepted)")
+    print(f"modeld torch with bfloat16 weights: 1 stream {mine['bfloat16_single_decode_tok_s']:.1f} tok/s "
+          f"({mine['bfloat16_single_decode_tok_s'] / peer['generate_tok_s']:.2f}x transformers fp32)")
     print("ratios: " + ", ".join(f"{k} {v:.2f}x ({'met' if goals[k] else 'missed'})" for k, v in ratios.items()))
 
 
