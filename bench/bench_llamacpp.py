@@ -102,7 +102,7 @@ class Peer:
 
 class Modeld:
     def __init__(self) -> None:
-        from conftest import start_daemon
+        from daemon import start_daemon
 
         self.daemon = start_daemon("--metrics-port", "-1", repository=ROOT / "models")
 

@@ -75,7 +75,7 @@ def transformers_peer() -> dict:
 async def modeld_side(dtype: str = "float32", full: bool = True) -> dict:
     import grpc
 
-    from conftest import start_daemon
+    from daemon import start_daemon
     from modeld.gen import generation_pb2 as g
     from modeld.gen import generation_pb2_grpc as gg
 

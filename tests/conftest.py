@@ -1,97 +1,10 @@
-"""Shared fixtures: the repository root and a real daemon process."""
+"""Shared fixtures: one real daemon for the session, and a tritonclient."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import threading
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-MODELS = ROOT / "models"
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-
-@dataclass
-class DaemonProcess:
-    """A `modeld serve` subprocess on a free loopback port."""
-
-    proc: subprocess.Popen
-    port: int = 0
-    metrics_port: int = 0
-    logs: list[dict] = field(default_factory=list)
-    _lines: list[str] = field(default_factory=list)
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def events(self, name: str) -> list[dict]:
-        return [e for e in list(self.logs) if e.get("event") == name]
-
-    def stop(self, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def rss(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS")
-
-
-def _pump(daemon: DaemonProcess, started: threading.Event) -> None:
-    for line in daemon.proc.stderr:
-        daemon._lines.append(line)
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        daemon.logs.append(event)
-        if event.get("event") == "daemon_started":
-            daemon.port, daemon.metrics_port = event["grpc_port"], event["metrics_port"]
-            started.set()
-
-
-def start_daemon(*args: str, repository: Path | None = MODELS, env: dict | None = None,
-                 wait_for_preload: bool = True, timeout: float = 120) -> DaemonProcess:
-    cmd = [sys.executable, "-m", "modeld.server.cli", "serve", "--grpc-port", "0", "--metrics-port", "0",
-           "--log-format", "json"]
-    if repository is not None:
-        cmd += ["--model-repository", str(repository)]
-    proc = subprocess.Popen(cmd + list(args), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ, **(env or {})}, cwd=ROOT)
-    daemon = DaemonProcess(proc)
-    started = threading.Event()
-    threading.Thread(target=_pump, args=(daemon, started), daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while not started.wait(0.1):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("daemon did not start:\n" + "".join(daemon._lines[-30:]))
-    if wait_for_preload and "--no-preload" not in args:
-        _wait_preloaded(daemon, repository, deadline)
-    return daemon
-
-
-def _wait_preloaded(daemon: DaemonProcess, repository: Path | None, deadline: float) -> None:
-    names = {p.parent.name for p in repository.glob("*/model.toml")} if repository else set()
-    while time.monotonic() < deadline:
-        done = {e.get("model") for e in daemon.logs if e.get("event") in ("model_loaded", "preload_skipped")}
-        if names <= done:
-            return
-        time.sleep(0.1)
-    raise RuntimeError("models did not preload")
+from daemon import start_daemon
 
 
 @pytest.fixture(scope="session")

@@ -1,23 +1,20 @@
-"""Collects the backend x capability table and prints it after the run."""
+"""Prints the backend x capability table the conformance suite collects."""
 
 from __future__ import annotations
 
 import pytest
 
-TABLE: dict[str, dict[str, str]] = {}
-
-
-def record(backend: str, capability: str, outcome: str) -> None:
-    TABLE.setdefault(backend, {})[capability] = outcome
+from capability_table import TABLE
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter):
     if not TABLE:
         return
-    capabilities = sorted({c for row in TABLE.values() for c in row})
+    backends = {name: row for name, row in TABLE.items() if " vs " not in name}
+    capabilities = sorted({c for row in backends.values() for c in row})
     terminalreporter.section("backend conformance (backend x capability)")
-    for backend, row in sorted(TABLE.items()):
-        terminalreporter.write_line(f"{backend}:")
-        for capability in capabilities:
+    for name, row in sorted(TABLE.items()):
+        terminalreporter.write_line(f"{name}:")
+        for capability in capabilities if name in backends else sorted(row):
             terminalreporter.write_line(f"    {capability:<24} {row.get(capability, 'not checked')}")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import record
+from capability_table import record
 
 import onnx_fixtures
 from modeld.backends.base import Capability

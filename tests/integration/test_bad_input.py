@@ -15,7 +15,7 @@ import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
 import onnx_fixtures
-from conftest import start_daemon
+from daemon import start_daemon
 from modeld.gen import inference_pb2 as pb
 from modeld.gen import inference_pb2_grpc as pb_grpc
 

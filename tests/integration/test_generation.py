@@ -14,7 +14,7 @@ import pytest
 import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
-from conftest import MODELS
+from daemon import MODELS
 from modeld.gen import generation_pb2 as g
 from modeld.gen import generation_pb2_grpc as gg
 

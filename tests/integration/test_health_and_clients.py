@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import onnx_fixtures
-from conftest import ROOT
+from daemon import ROOT
 from modeld.clients import AsyncClient, Client
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

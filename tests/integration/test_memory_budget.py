@@ -14,7 +14,7 @@ import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
 import onnx_fixtures
-from conftest import start_daemon
+from daemon import start_daemon
 
 MB = 1_000_000
 WEIGHTS = 10_000_000  # float32 -> a 40 MB model file

@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import start_daemon
+from daemon import start_daemon
 from modeld.clients import Client
 
 LONG_TEXT = " ".join(["a long sentence keeps the model busy for a while"] * 30)

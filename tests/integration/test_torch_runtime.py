@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import MODELS
+from daemon import MODELS
 from modeld.backends.generation.params import FinalEvent, GenerateRequest, SamplingParams, SpeculativeMode
 from modeld.backends.model_config import load_model_toml
 from modeld.backends.torch.backend import TorchBackend
