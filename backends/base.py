@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import numpy as np
@@ -89,6 +89,15 @@ class Backend(ABC):
     def load(self, config: ModelConfig, model_dir: Path) -> LoadedModel:
         """Load the model (blocking). Raises LoadFailed with the reason."""
 
+    def _serves_file(self, config: ModelConfig, model_dir: Path, *formats) -> Verdict:
+        """The common can_serve: one of our formats, and its file is there."""
+        if config.format not in formats:
+            names = " or ".join(f.value for f in formats)
+            return Verdict.no(f"{self.name} serves {names} models, not {config.format.value}")
+        if not (model_dir / config.artifact_path).exists():
+            return Verdict.no(f"model file {config.artifact_path!r} is missing")
+        return Verdict.yes()
+
     def estimate_bytes(self, config: ModelConfig, model_dir: Path) -> int:
         """Bytes a load is expected to take, used to make room before loading."""
         if config.memory_estimate is not None:
@@ -103,17 +112,23 @@ class Backend(ABC):
 class GenerativeModel(LoadedModel):
     """A language model: serves token generation instead of tensor calls.
 
-    `start`/`stop` bracket its generation loop; the engine awaits both.
+    Subclasses set `loop` (a GenerationLoop) and `executor` (its
+    StepExecutor); `start`/`stop` bracket the loop and the engine awaits both.
     """
+
+    loop: Any
+    executor: Any
 
     def set_observer(self, observer) -> None:
         """Receive the generation loop's figures (the engine's metrics)."""
+        self.loop.observer = observer
 
     async def start(self) -> None:
-        """Begin serving (start the step loop)."""
+        self.loop.start()
 
     async def stop(self) -> None:
         """Finish running sequences and stop the loop."""
+        await self.loop.stop()
 
     def execute(self, inputs, output_names):
         from modeld.backends.errors import Unimplemented
@@ -122,10 +137,10 @@ class GenerativeModel(LoadedModel):
 
     def generate(self, request):
         """An async iterator of TokenEvent, ending with one FinalEvent."""
-        raise NotImplementedError
+        return self.loop.generate(request)
 
     def tokenize(self, text: str) -> list[int]:
-        raise NotImplementedError
+        return self.executor.tokenize(text)
 
     def detokenize(self, token_ids: list[int]) -> str:
-        raise NotImplementedError
+        return self.executor.detokenize(token_ids)

@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from modeld.backends.errors import InvalidArgument, ResourceExhausted
 from modeld.backends.generation.block_manager import BlockManager
-from modeld.backends.generation.scheduler import SeqWork, StepPlan
+from modeld.backends.generation.scheduler import Admission, SeqWork, StepPlan
 from modeld.backends.generation.sequence import Sequence, SeqStatus
 
 
@@ -33,7 +32,7 @@ class PagedConfig:
         return self.num_blocks * self.block_size
 
 
-class PagedScheduler:
+class PagedScheduler(Admission):
     def __init__(self, config: PagedConfig) -> None:
         self.config = config
         self.blocks = BlockManager(config.num_blocks, config.block_size)
@@ -47,23 +46,6 @@ class PagedScheduler:
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
-
-    def check(self, seq: Sequence) -> None:
-        total = seq.num_prompt + seq.params.max_tokens
-        limit = min(self.config.context_length, self.config.kv_capacity - seq.params.num_speculative_tokens)
-        if total > limit:
-            raise InvalidArgument(
-                f"prompt of {seq.num_prompt} tokens plus max_tokens {seq.params.max_tokens} is {total}, "
-                f"beyond the context window of {limit} tokens; shorten the prompt or lower max_tokens"
-            )
-
-    def add(self, seq: Sequence) -> None:
-        self.check(seq)
-        if len(self.waiting) >= self.config.max_waiting:
-            raise ResourceExhausted(
-                f"{len(self.waiting)} requests are already waiting (max_waiting); retry later or on another node"
-            )
-        self.waiting.append(seq)
 
     def schedule(self) -> StepPlan:
         self._drop_cancelled()

@@ -46,7 +46,30 @@ class SchedulerConfig:
     max_waiting: int = 256
 
 
-class Scheduler:
+class Admission:
+    """What both schedulers do when a request arrives: refuse what could
+    never fit, bound the waiting queue. Needs `config` (context_length,
+    kv_capacity, max_waiting) and `waiting`."""
+
+    def check(self, seq: Sequence) -> None:
+        total = seq.num_prompt + seq.params.max_tokens
+        limit = min(self.config.context_length, self.config.kv_capacity - seq.params.num_speculative_tokens)
+        if total > limit:
+            raise InvalidArgument(
+                f"prompt of {seq.num_prompt} tokens plus max_tokens {seq.params.max_tokens} is {total}, "
+                f"beyond the context window of {limit} tokens; shorten the prompt or lower max_tokens"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.check(seq)
+        if len(self.waiting) >= self.config.max_waiting:
+            raise ResourceExhausted(
+                f"{len(self.waiting)} requests are already waiting (max_waiting); retry later or on another node"
+            )
+        self.waiting.append(seq)
+
+
+class Scheduler(Admission):
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.slots = SlotPool(config.num_slots)
@@ -64,24 +87,6 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self._pending_ops)
-
-    def check(self, seq: Sequence) -> None:
-        """Refuse a request that could never run here."""
-        total = seq.num_prompt + seq.params.max_tokens
-        limit = min(self.config.context_length, self.config.kv_capacity - seq.params.num_speculative_tokens)
-        if total > limit:
-            raise InvalidArgument(
-                f"prompt of {seq.num_prompt} tokens plus max_tokens {seq.params.max_tokens} is {total}, "
-                f"beyond the context window of {limit} tokens; shorten the prompt or lower max_tokens"
-            )
-
-    def add(self, seq: Sequence) -> None:
-        self.check(seq)
-        if len(self.waiting) >= self.config.max_waiting:
-            raise ResourceExhausted(
-                f"{len(self.waiting)} requests are already waiting (max_waiting); retry later or on another node"
-            )
-        self.waiting.append(seq)
 
     def schedule(self) -> StepPlan:
         self._drop_cancelled()

@@ -37,11 +37,7 @@ class LlamaCppBackend(Backend):
         return Verdict.yes()
 
     def can_serve(self, config: ModelConfig, model_dir: Path) -> Verdict:
-        if config.format is not ModelFormat.GGUF:
-            return Verdict.no(f"llamacpp serves GGUF models, not {config.format.value}")
-        if not (model_dir / config.artifact_path).exists():
-            return Verdict.no(f"model file {config.artifact_path!r} is missing")
-        return Verdict.yes()
+        return self._serves_file(config, model_dir, ModelFormat.GGUF)
 
     def estimate_bytes(self, config: ModelConfig, model_dir: Path) -> int:
         if config.memory_estimate is not None:
@@ -121,24 +117,6 @@ class LlamaGenerativeModel(GenerativeModel):
         draft = LlamaDraft(model, LlamaContext(model, n_ctx, n_slots, step, threads), n_slots)
         draft.nbytes = max(Path(path).stat().st_size + n_ctx * model.kv_bytes_per_token(), process_rss() - rss_before)
         return draft
-
-    def set_observer(self, observer: GenerationObserver) -> None:
-        self.loop.observer = observer
-
-    async def start(self) -> None:
-        self.loop.start()
-
-    async def stop(self) -> None:
-        await self.loop.stop()
-
-    def generate(self, request):
-        return self.loop.generate(request)
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.executor.tokenize(text)
-
-    def detokenize(self, token_ids: list[int]) -> str:
-        return self.executor.detokenize(token_ids)
 
     def unload(self) -> None:
         if self.draft is not None:

@@ -38,11 +38,7 @@ class OnnxBackend(Backend):
         return [p for p in _PREFERRED_PROVIDERS if p in available]
 
     def can_serve(self, config: ModelConfig, model_dir: Path) -> Verdict:
-        if config.format is not ModelFormat.ONNX:
-            return Verdict.no(f"onnx serves ONNX graphs, not {config.format.value}")
-        if not (model_dir / config.artifact_path).is_file():
-            return Verdict.no(f"model file {config.artifact_path!r} is missing")
-        return Verdict.yes()
+        return self._serves_file(config, model_dir, ModelFormat.ONNX)
 
     def load(self, config: ModelConfig, model_dir: Path) -> OnnxModel:
         return OnnxModel(config, model_dir, self.providers())

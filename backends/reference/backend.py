@@ -24,11 +24,7 @@ class ReferenceBackend(Backend):
     capabilities = frozenset({Capability.TENSOR_INFERENCE, Capability.DYNAMIC_BATCHING})
 
     def can_serve(self, config: ModelConfig, model_dir: Path) -> Verdict:
-        if config.format is not ModelFormat.ONNX:
-            return Verdict.no(f"reference serves ONNX graphs, not {config.format.value}")
-        if not (model_dir / config.artifact_path).is_file():
-            return Verdict.no(f"model file {config.artifact_path!r} is missing")
-        return Verdict.yes()
+        return self._serves_file(config, model_dir, ModelFormat.ONNX)
 
     def load(self, config: ModelConfig, model_dir: Path) -> ReferenceModel:
         return ReferenceModel(config, model_dir)

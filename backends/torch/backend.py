@@ -209,24 +209,6 @@ class TorchGenerativeModel(GenerativeModel):
             self.nbytes += self.draft.nbytes
         self.loop = GenerationLoop(self.executor, self.scheduler, draft=self.draft, worker=TORCH_THREAD)
 
-    def set_observer(self, observer) -> None:
-        self.loop.observer = observer
-
-    async def start(self) -> None:
-        self.loop.start()
-
-    async def stop(self) -> None:
-        await self.loop.stop()
-
-    def generate(self, request):
-        return self.loop.generate(request)
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.executor.tokenize(text)
-
-    def detokenize(self, token_ids: list[int]) -> str:
-        return self.executor.detokenize(token_ids)
-
     def unload(self) -> None:
         TORCH_THREAD.submit(self._release).result()
 

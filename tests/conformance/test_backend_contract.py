@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,6 @@ import onnx_fixtures
 from modeld.backends.base import Capability
 from modeld.backends.generation.params import FinalEvent, GenerateRequest, SamplingParams, SpeculativeMode
 from modeld.backends.errors import InvalidArgument, Unimplemented
-from modeld.backends.model_config import config_from_json
 from modeld.backends.registry import BACKENDS, BackendRegistry
 from modeld.server.engine import Engine
 from modeld.server.memory import MemoryManager

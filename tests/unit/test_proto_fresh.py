@@ -1,6 +1,5 @@
 """The committed generated code matches proto/ (run `make proto` if not)."""
 
-from pathlib import Path
 
 from modeld.gen import build
 
