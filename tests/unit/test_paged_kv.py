@@ -100,3 +100,22 @@ def test_preempted_sequence_recomputes_and_finishes():
     assert scheduler.num_preemptions >= 1  # 2 x 23 tokens do not fit in 32 cells at once
     assert first.num_output == second.num_output == 16
     assert scheduler.blocks.num_free == 8
+
+
+def test_both_schedulers_refuse_what_cannot_fit_and_bound_the_queue():
+    import pytest
+
+    from modeld.backends.errors import InvalidArgument, ResourceExhausted
+    from modeld.backends.generation.scheduler import Scheduler, SchedulerConfig
+
+    schedulers = [
+        PagedScheduler(PagedConfig(num_blocks=64, block_size=4, context_length=32, max_waiting=2)),
+        Scheduler(SchedulerConfig(num_slots=4, kv_capacity=256, context_length=32, max_waiting=2)),
+    ]
+    for scheduler in schedulers:
+        with pytest.raises(InvalidArgument, match="plus max_tokens 30 is 40, beyond the context window of 32"):
+            scheduler.add(_seq(range(10), max_tokens=30))
+        scheduler.add(_seq(range(4)))
+        scheduler.add(_seq(range(4)))
+        with pytest.raises(ResourceExhausted, match="2 requests are already waiting"):
+            scheduler.add(_seq(range(4)))
