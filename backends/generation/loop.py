@@ -56,9 +56,9 @@ class GenerationLoop:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
-        # Always the same worker thread: torch's OpenMP team and llama.cpp's
-        # thread pool stay warm (a fresh thread per step made torch steps
-        # 2-3x slower here).
+        # Always the same worker thread, and backends pass the thread they
+        # loaded on: OpenMP keeps a thread team per calling thread, and
+        # stepping on another thread than the loader's ran 1.5-2x slower here.
         self._executor = worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix="modeld-step")
 
     # -- lifecycle -------------------------------------------------------------

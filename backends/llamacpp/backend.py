@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from modeld.backends.compute_thread import COMPUTE_THREAD
 from modeld.backends.base import Backend, Capability, GenerativeModel, Verdict
 from modeld.backends.errors import LoadFailed
 from modeld.backends.generation.executor import StepExecutor
@@ -47,7 +48,7 @@ class LlamaCppBackend(Backend):
         return (model_dir / config.artifact_path).stat().st_size + int(options["n_ctx"]) * 32 * 1024
 
     def load(self, config: ModelConfig, model_dir: Path) -> LlamaGenerativeModel:
-        return LlamaGenerativeModel(config, model_dir)
+        return COMPUTE_THREAD.submit(LlamaGenerativeModel, config, model_dir).result()
 
 
 class LlamaExecutor(StepExecutor):
@@ -98,7 +99,7 @@ class LlamaGenerativeModel(GenerativeModel):
         self.draft = self._load_draft(options, n_ctx, n_slots, step, threads)
         if self.draft is not None:
             self.nbytes += self.draft.nbytes
-        self.loop = GenerationLoop(self.executor, self.scheduler, observer, self.draft)
+        self.loop = GenerationLoop(self.executor, self.scheduler, observer, self.draft, worker=COMPUTE_THREAD)
 
     def _load_draft(self, options: dict, n_ctx: int, n_slots: int, step: int, threads: int):
         """The draft model named by draft_model (the engine resolves its path)."""
@@ -119,6 +120,9 @@ class LlamaGenerativeModel(GenerativeModel):
         return draft
 
     def unload(self) -> None:
+        COMPUTE_THREAD.submit(self._release).result()
+
+    def _release(self) -> None:
         if self.draft is not None:
             self.draft.close()
         self.context.close()

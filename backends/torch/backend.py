@@ -9,12 +9,12 @@ the same code.
 from __future__ import annotations
 
 import importlib.util
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from modeld.backends.base import Backend, Capability, GenerativeModel, Verdict
+from modeld.backends.compute_thread import COMPUTE_THREAD
 from modeld.backends.errors import InvalidArgument, LoadFailed
 from modeld.backends.generation.executor import StepExecutor
 from modeld.backends.generation.loop import GenerationLoop
@@ -23,14 +23,9 @@ from modeld.backends.generation.params import ChatMessage
 from modeld.backends.generation.scheduler import StepPlan
 from modeld.backends.model_config import ModelConfig, ModelFormat, TensorSpec
 
-# Every torch call of this backend (loading and steps) runs on this one
-# thread. Each thread that enters an OpenMP region gets its own thread team;
-# two teams on two cores made forward passes 20-45% slower here.
-TORCH_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modeld-torch")
-
 TEXT_SIGNATURE = (TensorSpec("text_input", "BYTES", (1,)),), (TensorSpec("text_output", "BYTES", (1,)),)
 _DEFAULTS = {"block_size": 16, "num_blocks": 1024, "context_length": 2048, "max_running": 16,
-             "max_step_tokens": 512, "max_waiting": 256, "dtype": "float32", "threads": 2, "device": "auto"}
+             "max_step_tokens": 512, "max_waiting": 256, "dtype": "float32", "threads": 0, "device": "auto"}
 
 
 class TorchBackend(Backend):
@@ -67,7 +62,7 @@ class TorchBackend(Backend):
         return (path.stat().st_size if path.is_file() else 0) * 6
 
     def load(self, config: ModelConfig, model_dir: Path) -> TorchGenerativeModel:
-        return TORCH_THREAD.submit(TorchGenerativeModel, config, model_dir).result()
+        return COMPUTE_THREAD.submit(TorchGenerativeModel, config, model_dir).result()
 
 
 def _pick_device(name: str):
@@ -180,7 +175,10 @@ class TorchGenerativeModel(GenerativeModel):
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(options["dtype"])
         if dtype is None:
             raise LoadFailed(f"[torch] dtype must be float32, bfloat16 or float16, not {options['dtype']!r}")
-        torch.set_num_threads(int(options["threads"]))
+        threads = int(options["threads"])
+        if threads and threads != torch.get_num_threads():
+            # only when asked: it changes the OpenMP team llama.cpp shares
+            torch.set_num_threads(threads)
         device = _pick_device(str(options["device"]))
         self.model = _build_model(config.format, model_dir / config.artifact_path, model_dir, device, dtype)
         args = self.model.args
@@ -207,10 +205,10 @@ class TorchGenerativeModel(GenerativeModel):
                                  f"({draft_model.args.vocab_size} vs {args.vocab_size} tokens)")
             self.draft = TorchDraft(draft_model, int(options["num_blocks"]), block_size, device, dtype)
             self.nbytes += self.draft.nbytes
-        self.loop = GenerationLoop(self.executor, self.scheduler, draft=self.draft, worker=TORCH_THREAD)
+        self.loop = GenerationLoop(self.executor, self.scheduler, draft=self.draft, worker=COMPUTE_THREAD)
 
     def unload(self) -> None:
-        TORCH_THREAD.submit(self._release).result()
+        COMPUTE_THREAD.submit(self._release).result()
 
     def _release(self) -> None:
         self.draft = None
