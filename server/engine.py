@@ -237,7 +237,7 @@ class Engine:
                 victims = self.memory.plan(0, exclude | {key})
             except ResourceExhausted:
                 self.memory.remove(key)
-                raise ResourceExhausted(self.memory._refusal(nbytes)) from None
+                raise ResourceExhausted(self.memory.refusal(nbytes)) from None
             for victim in victims:
                 await self._evict(victim)
 

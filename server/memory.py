@@ -65,10 +65,11 @@ class MemoryManager:
                 victims.append(key)
                 need -= entry.nbytes
         if need > 0:
-            raise ResourceExhausted(self._refusal(nbytes))
+            raise ResourceExhausted(self.refusal(nbytes))
         return victims
 
-    def _refusal(self, nbytes: int) -> str:
+    def refusal(self, nbytes: int) -> str:
+        """Why a load of nbytes cannot fit, and what to change."""
         busy = [k for k, e in self._entries.items() if not e.is_evictable]
         return (
             f"needs {format_size(nbytes)} but the memory budget is {format_size(self.budget)} "
@@ -79,7 +80,7 @@ class MemoryManager:
 
     def add(self, key: str, nbytes: int, is_pinned: bool = False) -> None:
         if nbytes > self.free:
-            raise ResourceExhausted(self._refusal(nbytes))
+            raise ResourceExhausted(self.refusal(nbytes))
         self._entries[key] = MemoryEntry(key, nbytes, is_pinned)
 
     def resize(self, key: str, nbytes: int) -> None:
