@@ -114,6 +114,13 @@ class Client:
         """Sentence embeddings, [len(texts), dim] float32."""
         return self.infer(model, {"text": np.array(texts, dtype=object)})["embedding"]
 
+    def complete(self, model: str, prompt: str, max_tokens: int = 64) -> str:
+        """A language model's whole completion of `prompt` (greedy by default)."""
+        request = build_infer_request(model, {"text_input": np.array([prompt], dtype=object)})
+        request.parameters["max_tokens"].int64_param = max_tokens
+        response = self.stub.ModelInfer(request, timeout=self.timeout)
+        return _decode_outputs(response)["text_output"].reshape(-1)[0].decode("utf-8")
+
     def models(self) -> list[ModelInfo]:
         return _models(self.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=self.timeout))
 

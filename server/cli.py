@@ -38,6 +38,8 @@ def _client_args(sub) -> None:
     p.add_argument("model")
     p.add_argument("--text", action="append", help="a sentence (repeatable) for models with a BYTES 'text' input")
     p.add_argument("--inputs", help='JSON: {"x": [[1.0, 2.0]], ...}; floats become FP32, ints INT64')
+    p.add_argument("--prompt", help="a prompt for a language model (sent as text_input)")
+    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=64)
     p.add_argument("--address", default=DEFAULT_ADDRESS)
     p = sub.add_parser("prepare", help="build the embedded default models' artifacts")
     p.add_argument("--model-repository", dest="model_repository", type=Path, default=Path("models"))
@@ -100,6 +102,8 @@ def run_client_command(args) -> int:
                 client.load(args.model)
             elif args.command == "unload":
                 client.unload(args.model)
+            elif args.command == "infer" and args.prompt is not None:
+                print(client.complete(args.model, args.prompt, max_tokens=args.max_tokens))
             elif args.command == "infer":
                 if args.text:
                     inputs = {"text": np.array(args.text, dtype=object)}

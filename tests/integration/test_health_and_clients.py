@@ -124,6 +124,9 @@ def test_command_line_client(daemon):
     assert health.returncode == 0 and health.stdout.strip() == "SERVING"
     infer = _cli("infer", "minilm", "--text", "a sentence", "--address", daemon.address)
     assert infer.returncode == 0 and len(json.loads(infer.stdout)["embedding"][0]) == 384
+    completion = _cli("infer", "smollm2", "--prompt", "The capital of France is", "--max-tokens", "4",
+                      "--address", daemon.address)
+    assert completion.returncode == 0 and completion.stdout.startswith(" Paris")
     missing = _cli("infer", "nope", "--text", "x", "--address", daemon.address)
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
 
