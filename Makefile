@@ -28,7 +28,8 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-$(MODELS): $(STAMP)
+# one run of `modeld prepare` makes them all (a grouped target, GNU make 4.3+)
+$(MODELS) &: $(STAMP)
 	$(BIN)/modeld prepare --model-repository models
 
 models: $(MODELS)

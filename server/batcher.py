@@ -15,6 +15,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable
 
 import anyio
@@ -28,7 +29,7 @@ log = structlog.get_logger("modeld.batcher")
 Execute = Callable[[dict[str, np.ndarray], tuple[str, ...]], dict[str, np.ndarray]]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queue removal must not compare numpy inputs
 class _Pending:
     inputs: dict[str, np.ndarray]
     output_names: tuple[str, ...]
@@ -40,7 +41,9 @@ class _Pending:
         first = next(iter(self.inputs.values()))
         return first.shape[0] if first.ndim else 1
 
+    @cached_property
     def merge_key(self) -> tuple:
+        """Requests merge only when this matches; computed once, compared on every scan."""
         return (self.output_names,) + tuple(
             (name, arr.dtype.str, arr.shape[1:]) for name, arr in self.inputs.items()
         )
@@ -139,7 +142,7 @@ class DynamicBatcher:
         if not self.max_batch_size:
             return batch
         deadline = time.monotonic() + self.max_queue_delay_s
-        key = first.merge_key()
+        key = first.merge_key
         while rows < self.max_batch_size:
             taken = self._take_compatible(key, self.max_batch_size - rows)
             if taken is not None:
@@ -155,12 +158,11 @@ class DynamicBatcher:
         return batch
 
     def _take_compatible(self, key: tuple, room: int) -> _Pending | None:
-        for index, item in enumerate(self._queue):
-            if item.future.done():
-                del self._queue[index]
-                return self._take_compatible(key, room)
-            if item.merge_key() == key and item.num_rows <= room:
-                del self._queue[index]
+        for item in list(self._queue):
+            if item.future.done():  # its client left; drop it while passing by
+                self._queue.remove(item)
+            elif item.merge_key == key and item.num_rows <= room:
+                self._queue.remove(item)
                 return item
         return None
 

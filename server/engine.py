@@ -213,6 +213,9 @@ class Engine:
             await anyio.to_thread.run_sync(loaded.unload)
             raise
         served = self._make_served(config, source, backend, loaded)
+        # set before warm-up: a failed warm-up drops the model, which removes this series
+        self.metrics.loaded_bytes.labels(config.name, backend.name).set(loaded.nbytes)
+        self.metrics.used_bytes.set(self.memory.used)
         if served.is_generative:
             loaded.set_observer(GenerationMetrics(self.metrics, config.name, backend.name))
             await loaded.start()
@@ -221,8 +224,6 @@ class Engine:
         if config.warmup and not served.is_generative:
             await self._warm_up(served)
         self._served[config.name] = served
-        self.metrics.loaded_bytes.labels(config.name, backend.name).set(loaded.nbytes)
-        self.metrics.used_bytes.set(self.memory.used)
         log.info("model_loaded", model=config.name, backend=backend.name, nbytes=loaded.nbytes, estimate=estimate)
         self._notify(config.name, ModelState.READY)
         return served
@@ -388,12 +389,7 @@ class Engine:
         return (await self.generative(name)).loaded.tokenize(text)
 
     async def detokenize(self, name: str, token_ids: list[int]) -> str:
-        served = await self.generative(name)
-        vocab = served.loaded.executor.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        return served.loaded.detokenize(token_ids)
+        return (await self.generative(name)).loaded.detokenize(token_ids)
 
     async def _fall_back(self, failed: ServedModel, exc: BackendFailure) -> ServedModel:
         """Move a model whose backend failed at run time to the next backend."""

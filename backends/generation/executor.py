@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from modeld.backends.errors import InvalidArgument
 from modeld.backends.generation.params import ChatMessage
 from modeld.backends.generation.scheduler import StepPlan
 
@@ -37,8 +38,14 @@ class StepExecutor(ABC):
     @abstractmethod
     def apply_chat_template(self, messages: tuple[ChatMessage, ...]) -> str: ...
 
+    def check_token_ids(self, token_ids) -> list[int]:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return list(token_ids)
+
     def detokenize(self, token_ids: list[int]) -> str:
-        return b"".join(self.token_bytes(t) for t in token_ids).decode("utf-8", errors="replace")
+        return b"".join(self.token_bytes(t) for t in self.check_token_ids(token_ids)).decode("utf-8", errors="replace")
 
     def close(self) -> None:
         """Free the runtime's memory."""

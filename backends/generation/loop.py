@@ -18,7 +18,7 @@ from typing import AsyncIterator, Protocol
 import numpy as np
 import structlog
 
-from modeld.backends.errors import InvalidArgument, Unavailable
+from modeld.backends.errors import Unavailable, Unimplemented
 from modeld.backends.generation.detokenize import IncrementalText
 from modeld.backends.generation.executor import StepExecutor
 from modeld.backends.generation.ngram import propose_ngram
@@ -79,10 +79,7 @@ class GenerationLoop:
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         if request.token_ids:
-            bad = [t for t in request.token_ids if not 0 <= t < self.executor.vocab_size]
-            if bad:
-                raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary (0..{self.executor.vocab_size - 1})")
-            return list(request.token_ids)
+            return self.executor.check_token_ids(request.token_ids)
         if request.messages:
             return self.executor.tokenize(self.executor.apply_chat_template(request.messages), add_special=False)
         return self.executor.tokenize(request.prompt)
@@ -92,9 +89,8 @@ class GenerationLoop:
             raise Unavailable("the model is being unloaded; retry")
         request.validate()
         if request.params.speculative is SpeculativeMode.DRAFT and self.draft is None:
-            from modeld.backends.errors import Unimplemented
-
-            raise Unimplemented("this model has no draft model configured (set draft_model under [llamacpp] in model.toml)")
+            raise Unimplemented("this model has no draft model configured (set draft_model in its backend's table "
+                                "in model.toml)")
         seq = Sequence(self.prompt_ids(request), request.params)
         seq.rng = make_rng(request.params.seed)
         seq.stream = _Stream(asyncio.Queue(), IncrementalText(request.params.stop))

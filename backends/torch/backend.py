@@ -114,9 +114,6 @@ class TorchExecutor(StepExecutor):
         return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
                                                   tokenize=False, add_generation_prompt=True)
 
-    def detokenize(self, token_ids: list[int]) -> str:
-        return b"".join(self.token_bytes(t) for t in token_ids).decode("utf-8", errors="replace")
-
 
 _BYTE_DECODER: dict[str, int] | None = None
 

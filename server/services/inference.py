@@ -6,6 +6,7 @@ Thin by design: decode, delegate to the engine, encode.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 
 import structlog
 
@@ -24,7 +25,7 @@ from modeld.server.stats import Duration, ModelStats
 log = structlog.get_logger("modeld.rpc")
 
 SERVER_NAME = "modeld"
-SERVER_VERSION = "0.1.0"
+SERVER_VERSION = importlib.metadata.version("modeld")
 EXTENSIONS = ["model_repository", "model_repository(unload_dependents)", "statistics", "parameters"]
 
 
