@@ -141,17 +141,16 @@ def _token_bytes(tokenizer, token_id: int) -> bytes:
     return tokenizer.decode([token_id]).encode("utf-8")
 
 
-def _build_model(fmt: ModelFormat, path: Path, model_dir: Path, device, dtype):
+def _build_model(fmt: ModelFormat, path: Path, model_dir: Path, device, dtype, context_length: int):
     from modeld.backends.torch.model import Transformer
     from modeld.backends.torch.weights import load_gguf, load_safetensors
 
     args, state = load_gguf(path) if fmt is ModelFormat.GGUF else load_safetensors(model_dir)
-    model = Transformer(args, bias=any(k.endswith(".bias") for k in state))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (m == "output.weight" and args.tie_embeddings)]
+    model = Transformer(args, bias=any(k.endswith(".bias") for k in state),
+                        max_positions=context_length)
+    missing, unexpected = model.load_weights(state)
     if missing or unexpected:
         raise LoadFailed(f"checkpoint does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    model.tie()
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -177,13 +176,15 @@ class TorchGenerativeModel(GenerativeModel):
             # only when asked: it changes the OpenMP team llama.cpp shares
             torch.set_num_threads(threads)
         device = _pick_device(str(options["device"]))
-        self.model = _build_model(config.format, model_dir / config.artifact_path, model_dir, device, dtype)
+        context_length = int(options["context_length"])
+        self.model = _build_model(config.format, model_dir / config.artifact_path, model_dir, device, dtype,
+                                  context_length)
         args = self.model.args
         self.tokenizer = load_tokenizer(config, model_dir)
         block_size = int(options["block_size"])
         self.scheduler = PagedScheduler(PagedConfig(
             num_blocks=int(options["num_blocks"]), block_size=block_size,
-            context_length=min(int(options["context_length"]), args.max_seq_len),
+            context_length=min(context_length, args.max_seq_len),
             max_running=int(options["max_running"]), max_step_tokens=int(options["max_step_tokens"]),
             max_waiting=int(options["max_waiting"]),
         ))
@@ -196,7 +197,8 @@ class TorchGenerativeModel(GenerativeModel):
         if options.get("draft_path"):
             from modeld.backends.torch.draft import TorchDraft
 
-            draft_model = _build_model(ModelFormat.GGUF, Path(options["draft_path"]), model_dir, device, dtype)
+            draft_model = _build_model(ModelFormat.GGUF, Path(options["draft_path"]), model_dir, device, dtype,
+                                       context_length)
             if draft_model.args.vocab_size != args.vocab_size:
                 raise LoadFailed("the draft model must share the target's vocabulary "
                                  f"({draft_model.args.vocab_size} vs {args.vocab_size} tokens)")

@@ -34,16 +34,21 @@ def build_step(plan: StepPlan, blocks: BlockManager, device: torch.device) -> St
         index = _cache_index(blocks.tables[work.seq.seq_id], torch.arange(ctx), bs)
         kv_index[s, :ctx] = index
         slots.append(index[work.start_pos:])
-    q_pos = starts[:, None] + q_range[None, :]  # [S, Q]
-    kv_pos = torch.arange(max_c)
-    mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # causal; also hides padding past each context
-    # padded query rows attend to position 0 only, so softmax never sees an empty row
-    mask = torch.where(query_valid[:, :, None], mask, kv_pos[None, None, :] == 0)
     logit_rows = torch.cat([torch.arange(o + n - w.num_logits, o + n)
                             for w, o, n in zip(plan.work, offsets.tolist(), lengths)])
+    query_rows, mask = None, None
+    if max_q > 1:
+        query_rows = query_valid.view(-1).nonzero().view(-1).to(device)
+    else:
+        query_index = None  # one token per sequence: the queries are already in sequence order
+    if max_q > 1 or min(contexts) != max_c:
+        q_pos = starts[:, None] + q_range[None, :]  # [S, Q]
+        kv_pos = torch.arange(max_c)
+        mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # causal; also hides padding past each context
+        # padded query rows attend to position 0 only, so softmax never sees an empty row
+        mask = torch.where(query_valid[:, :, None], mask, kv_pos[None, None, :] == 0)[:, None].to(device)
     return StepBatch(
         input_ids=input_ids.to(device), positions=positions.to(device), slots=torch.cat(slots).to(device),
-        query_index=query_index.to(device), query_rows=query_valid.view(-1).nonzero().view(-1).to(device),
-        kv_index=kv_index.to(device),
-        mask=mask[:, None].to(device), logit_rows=logit_rows.to(device),
+        query_index=None if query_index is None else query_index.to(device), query_rows=query_rows,
+        kv_index=kv_index.to(device), mask=mask, logit_rows=logit_rows.to(device),
     )
