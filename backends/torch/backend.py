@@ -12,6 +12,7 @@ import importlib.util
 from pathlib import Path
 
 import numpy as np
+import structlog
 
 from modeld.backends.base import Backend, Capability, GenerativeModel, Verdict
 from modeld.backends.compute_thread import COMPUTE_THREAD
@@ -23,9 +24,12 @@ from modeld.backends.generation.params import ChatMessage
 from modeld.backends.generation.scheduler import StepPlan
 from modeld.backends.model_config import ModelConfig, ModelFormat, TensorSpec
 
+log = structlog.get_logger("modeld.torch")
+
 TEXT_SIGNATURE = (TensorSpec("text_input", "BYTES", (1,)),), (TensorSpec("text_output", "BYTES", (1,)),)
 _DEFAULTS = {"block_size": 16, "num_blocks": 1024, "context_length": 2048, "max_running": 16,
-             "max_step_tokens": 512, "max_waiting": 256, "dtype": "float32", "threads": 0, "device": "auto"}
+             "max_step_tokens": 512, "max_waiting": 256, "dtype": "float32", "threads": 0, "device": "auto",
+             "compile": True}
 
 
 class TorchBackend(Backend):
@@ -154,6 +158,24 @@ def _build_model(fmt: ModelFormat, path: Path, model_dir: Path, device, dtype, c
     return model.to(device=device, dtype=dtype).eval()
 
 
+def _compile(model, k_caches, v_caches, block_size: int, device) -> bool:
+    """torch.compile the model's layers and compile each step shape now, not
+    during a request. Falls back to eager when inductor cannot build here
+    (no C++ compiler, say): slower, never wrong."""
+    from modeld.backends.torch.model import run_layer
+    from modeld.backends.torch.step import warmup_steps
+
+    model.compile()
+    try:
+        for batch in warmup_steps(block_size, device):
+            model(batch, k_caches, v_caches)
+    except Exception as exc:
+        log.warning("torch_compile_failed", reason=f"{type(exc).__name__}: {str(exc)[:300]}", fallback="eager")
+        model.run_layer, model.compiled = run_layer, False
+        return False
+    return True
+
+
 def load_tokenizer(config: ModelConfig, model_dir: Path):
     from transformers import AutoTokenizer
 
@@ -171,6 +193,8 @@ class TorchGenerativeModel(GenerativeModel):
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(options["dtype"])
         if dtype is None:
             raise LoadFailed(f"[torch] dtype must be float32, bfloat16 or float16, not {options['dtype']!r}")
+        if not isinstance(options["compile"], bool):
+            raise LoadFailed(f"[torch] compile must be true or false, not {options['compile']!r}")
         threads = int(options["threads"])
         if threads and threads != torch.get_num_threads():
             # only when asked: it changes the OpenMP team llama.cpp shares
@@ -189,6 +213,8 @@ class TorchGenerativeModel(GenerativeModel):
             max_waiting=int(options["max_waiting"]),
         ))
         self.executor = TorchExecutor(self.model, self.tokenizer, self.scheduler, device, dtype)
+        if options["compile"]:
+            _compile(self.model, self.executor.k_caches, self.executor.v_caches, block_size, device)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.nbytes = weight_bytes + self.executor.kv_bytes
         self.inputs, self.outputs = TEXT_SIGNATURE
@@ -203,6 +229,8 @@ class TorchGenerativeModel(GenerativeModel):
                 raise LoadFailed("the draft model must share the target's vocabulary "
                                  f"({draft_model.args.vocab_size} vs {args.vocab_size} tokens)")
             self.draft = TorchDraft(draft_model, int(options["num_blocks"]), block_size, device, dtype)
+            if options["compile"]:
+                _compile(draft_model, self.draft.k_caches, self.draft.v_caches, block_size, device)
             self.nbytes += self.draft.nbytes
         self.loop = GenerationLoop(self.executor, self.scheduler, draft=self.draft, worker=COMPUTE_THREAD)
 

@@ -57,10 +57,15 @@ def cpu_project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     2 to 64 rows, and a single row is faster still when it is doubled, since
     MKL's matrix-vector path for this layout uses the cores less well than
     its two-column matrix product. Same values either way, up to fp32 rounding.
+    x must be row-major: with x.T contiguous instead, MKL takes a path 2-3x
+    slower, and the elementwise results of an earlier product come out in
+    that transposed layout.
     """
+    x = x.contiguous()
     if x.shape[0] == 1:
-        return (weight @ torch.cat((x, x)).t())[:, :1].t()
-    return (weight @ x.t()).t()
+        return (weight @ torch.cat((x, x)).t())[:, :1].t().contiguous()
+    # row-major again, or attention's inputs come out strided and SDPA drops to its slow path
+    return (weight @ x.t()).t().contiguous()
 
 
 class RMSNorm(nn.Module):
@@ -159,10 +164,16 @@ class Layer(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x), project)
 
 
+def run_layer(layer: Layer, x, cos, sin, batch: StepBatch, k_cache, v_cache, project) -> torch.Tensor:
+    return layer(x, cos, sin, batch, k_cache, v_cache, project)
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, bias: bool = False, max_positions: int | None = None) -> None:
         super().__init__()
         self.args = args
+        self.run_layer = run_layer
+        self.compiled = False
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Layer(args, bias) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
@@ -202,18 +213,43 @@ class Transformer(nn.Module):
         result = self.load_state_dict(fused, strict=False)
         return missing + list(result.missing_keys), list(result.unexpected_keys)
 
+    def compile(self) -> None:
+        """Run each layer through torch.compile (inductor).
+
+        One layer's graph, not the whole model's: every layer runs the same
+        code with other weights, so one compiled graph (per step shape:
+        decode or prefill, one sequence or several) serves all of them and
+        compiles in seconds; the whole model unrolled took minutes per shape
+        here. It fuses the norms, rotary, SwiGLU and residual adds around the
+        matrix products.
+        """
+        import torch._dynamo
+        import torch.fx.experimental._config as fx_config
+
+        # shape variants (decode, prefill, padded, one sequence or many) for the target and a draft
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # sizes that happen to be equal (a prompt's length and its context) must not
+        # become one symbol, or the first step where they differ compiles anew mid-request
+        fx_config.use_duck_shape = False
+        self.run_layer = torch.compile(run_layer, dynamic=True)
+        self.compiled = True
+
     def output_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output
 
-    @torch.inference_mode()
     def forward(self, batch: StepBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
         """-> logits [len(batch.logit_rows), vocab] float32."""
+        # compiled graphs refuse inference tensors; eager runs a little faster under inference_mode
+        with torch.no_grad() if self.compiled else torch.inference_mode():
+            return self._forward(batch, k_caches, v_caches)
+
+    def _forward(self, batch: StepBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
         x = self.tok_embeddings(batch.input_ids)  # [T, dim]
         # MKL's bf16 products run a row at a time here; only fp32 gains from the reshaped product
         project = cpu_project if x.device.type == "cpu" and x.dtype == torch.float32 else F.linear
         cos = self.rope_cos.index_select(0, batch.positions).to(x.dtype)
         sin = self.rope_sin.index_select(0, batch.positions).to(x.dtype)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
-            x = layer(x, cos, sin, batch, k_cache, v_cache, project)
+            x = self.run_layer(layer, x, cos, sin, batch, k_cache, v_cache, project)
         # only the rows that need logits go through the vocabulary projection
         return project(self.norm(x[batch.logit_rows]), self.output_weight()).float()

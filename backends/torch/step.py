@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from modeld.backends.generation.block_manager import BlockManager
-from modeld.backends.generation.scheduler import StepPlan
+from modeld.backends.generation.scheduler import SeqWork, StepPlan
 from modeld.backends.torch.model import StepBatch
 
 
@@ -52,3 +54,21 @@ def build_step(plan: StepPlan, blocks: BlockManager, device: torch.device) -> St
         query_index=None if query_index is None else query_index.to(device), query_rows=query_rows,
         kv_index=kv_index.to(device), mask=mask, logit_rows=logit_rows.to(device),
     )
+
+
+def warmup_steps(block_size: int, device: torch.device) -> list[StepBatch]:
+    """Steps of each shape the scheduler produces, on two scratch sequences in
+    KV blocks 0 and 1: a one-token prompt, a prompt, one-sequence decode, two prompts of unequal
+    length, two-sequence decode at equal and at unequal context. Run at load,
+    they compile every graph variant before the first request needs one. The
+    caches they write into hold nothing yet, and each sequence writes a cell
+    before any step reads it."""
+    tables = SimpleNamespace(block_size=block_size, tables={0: [0], 1: [1]})
+
+    def plan(*work: tuple[int, int, int]) -> StepPlan:
+        return StepPlan((), tuple(SeqWork(SimpleNamespace(seq_id=seq), seq, start, tuple(range(1, n + 1)), 1)
+                                  for seq, start, n in work))
+
+    plans = [plan((0, 0, 1)), plan((0, 0, 3)), plan((0, 3, 1)), plan((0, 0, 3), (1, 0, 2)),
+             plan((0, 3, 1), (1, 3, 1)), plan((0, 4, 1), (1, 3, 1))]
+    return [build_step(p, tables, device) for p in plans]

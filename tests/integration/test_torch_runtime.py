@@ -12,6 +12,7 @@ import torch
 from daemon import MODELS
 from modeld.backends.generation.params import FinalEvent, GenerateRequest, SamplingParams, SpeculativeMode
 from modeld.backends.model_config import load_model_toml
+from modeld.backends.errors import LoadFailed
 from modeld.backends.torch.backend import TorchBackend
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time there was",
@@ -20,13 +21,17 @@ LONG = "Please answer briefly and politely. " * 8 + "The capital of France is"
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def runtime():
+def _load(**options):
     config = load_model_toml("smollm2-torch", MODELS / "smollm2-torch/model.toml")
     # the engine resolves draft_model to a path; here we do it by hand
-    options = {**config.backend_options["torch"], "draft_path": str(MODELS / "smollm2-draft/model.gguf")}
+    options = {**config.backend_options["torch"], "draft_path": str(MODELS / "smollm2-draft/model.gguf"), **options}
     config = dataclasses.replace(config, backend_options={"torch": options})
     return TorchBackend().load(config, MODELS / "smollm2-torch")
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    return _load()  # torch.compile on: the default
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +76,11 @@ async def _generate(runtime, prompt, **params):
         if isinstance(event, FinalEvent):
             return tokens, event.usage
         tokens.extend(event.token_ids)
+
+
+def test_the_default_runtime_is_compiled(runtime):
+    # a silent fallback to eager would leave every test below passing on the slower path
+    assert runtime.model.compiled and runtime.draft.model.compiled
 
 
 def test_alone_matches_transformers(runtime, reference):
@@ -123,3 +133,25 @@ def test_blocks_all_return_after_the_runs(runtime):
     blocks = runtime.scheduler.blocks
     assert not runtime.scheduler.running and not runtime.scheduler.waiting
     assert all(b.ref_count == 0 for b in blocks.blocks) and blocks.num_free == len(blocks.blocks)
+
+
+def test_eager_runtime_matches_transformers(reference):
+    """compile = false: the same tokens without inductor, alone and batched."""
+    eager = _load(compile=False)
+    assert not eager.model.compiled
+
+    async def go():
+        alone = [await _generate(eager, p, cache_prompt=False) for p in PROMPTS[:2]]
+        together = await asyncio.gather(*(_generate(eager, p, cache_prompt=False) for p in PROMPTS))
+        return alone, together
+    alone, together = _run(eager, go)
+    for prompt, (tokens, _) in zip(PROMPTS[:2], alone):
+        assert _same(tokens, reference[prompt]), prompt
+    for prompt, (tokens, _) in zip(PROMPTS, together):
+        assert _same(tokens, reference[prompt]), prompt
+    eager.unload()
+
+
+def test_a_compile_setting_that_is_not_a_bool_is_refused():
+    with pytest.raises(LoadFailed, match="compile must be true or false"):
+        _load(compile="yes")
