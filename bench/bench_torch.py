@@ -133,6 +133,32 @@ async def modeld_side(dtype: str = "float32", full: bool = True, compile: bool =
     }
 
 
+def projection_floor(rows: int = 8, repeats: int = 5) -> dict:
+    """Only the matrix products of one decode step for `rows` sequences,
+    through modeld's fastest fp32 form on MKL, over the real weights: what a
+    step cannot go below with this BLAS, whatever else it does. Reported as
+    tokens/s (rows per step / seconds per step)."""
+    from modeld.backends.model_config import ModelFormat
+    from modeld.backends.torch.backend import _build_model
+    from modeld.backends.torch.model import cpu_project
+
+    torch.set_num_threads(2)
+    model = _build_model(ModelFormat.GGUF, GGUF, GGUF.parent, torch.device("cpu"), torch.float32, 2048)
+    weights = [w for layer in model.layers for w in (layer.attention.wqkv, layer.attention.wo,
+                                                     layer.feed_forward.w13, layer.feed_forward.w2)]
+    weights.append(model.output_weight())
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for w in weights:
+                cpu_project(inputs[w.shape[1]], w)
+            times.append(time.perf_counter() - start)
+    step = statistics.median(times)
+    return {"rows": rows, "step_ms": step * 1000, "tok_s": rows / step}
+
+
 def chart(record: dict, path: Path) -> None:
     import matplotlib
 
@@ -153,6 +179,8 @@ def chart(record: dict, path: Path) -> None:
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     peer = transformers_peer()
+    # right after the peer, in the same minute: this machine's memory bandwidth drifts
+    floor = {"batch8": projection_floor(8), "single": projection_floor(1)}
     mine = asyncio.run(modeld_side())
     mine["eager"] = asyncio.run(modeld_side(compile=False, full=False))  # torch.compile off
     mine["bfloat16"] = asyncio.run(modeld_side("bfloat16", full=False))
@@ -167,7 +195,7 @@ def main() -> None:
              "ngram_speedup": ratios["ngram_speedup"] >= 1.5 and mine["ngram"]["identical"]}
     record = {"command": "make bench (bench/bench_torch.py)", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "cpu_count": os.cpu_count(), "new_tokens": NEW_TOKENS, "transformers": peer, "modeld": mine,
-              "ratios": ratios, "goals_met": goals}
+              "ratios": ratios, "goals_met": goals, "projection_floor": floor}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "torch.json").write_text(json.dumps(record, indent=2))
     chart(record, RESULTS / "torch.png")
@@ -182,6 +210,9 @@ def main() -> None:
         print(f"modeld torch, {variant}: 1 stream {v['single_decode_tok_s']:.1f} tok/s "
               f"({v['single_decode_tok_s'] / peer['generate_tok_s']:.2f}x), 8 streams {v['concurrent8_tok_s']:.1f} tok/s "
               f"({v['concurrent8_tok_s'] / peer['padded_batch8_tok_s']:.2f}x)")
+    print(f"matrix products alone (MKL, fp32): 8 rows {floor['batch8']['step_ms']:.1f} ms/step = "
+          f"{floor['batch8']['tok_s']:.0f} tok/s, 1 row {floor['single']['step_ms']:.1f} ms/step = "
+          f"{floor['single']['tok_s']:.0f} tok/s; 2x the padded batch needs {2 * peer['padded_batch8_tok_s']:.0f} tok/s")
     print("ratios: " + ", ".join(f"{k} {v:.2f}x ({'met' if goals[k] else 'missed'})" for k, v in ratios.items()))
 
 
