@@ -9,6 +9,7 @@ the same code.
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 
 import numpy as np
@@ -165,6 +166,7 @@ def _compile(model, k_caches, v_caches, block_size: int, device) -> bool:
     from modeld.backends.torch.model import run_layer
     from modeld.backends.torch.step import warmup_steps
 
+    started = time.monotonic()
     model.compile()
     try:
         for batch in warmup_steps(block_size, device):
@@ -173,6 +175,8 @@ def _compile(model, k_caches, v_caches, block_size: int, device) -> bool:
         log.warning("torch_compile_failed", reason=f"{type(exc).__name__}: {str(exc)[:300]}", fallback="eager")
         model.run_layer, model.compiled = run_layer, False
         return False
+    # tens of seconds the first time on a machine, less once inductor's on-disk cache holds the graphs
+    log.info("torch_compiled", seconds=round(time.monotonic() - started, 1))
     return True
 
 
