@@ -89,6 +89,11 @@ def _health_name(status: int) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
 
 
+def _load_timeout(timeout: float | None) -> float | None:
+    # a load can take minutes (a torch model compiles at load, the first time on a machine)
+    return None if timeout is None else max(timeout, 600.0)
+
+
 class Client:
     """Blocking client. `Client("127.0.0.1:8001")`; use as a context manager."""
 
@@ -125,7 +130,7 @@ class Client:
         return _models(self.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=self.timeout))
 
     def load(self, model: str, config: dict | None = None, files: dict[str, bytes] | None = None) -> None:
-        self.stub.RepositoryModelLoad(build_load_request(model, config, files), timeout=self.timeout)
+        self.stub.RepositoryModelLoad(build_load_request(model, config, files), timeout=_load_timeout(self.timeout))
 
     def unload(self, model: str) -> None:
         self.stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name=model), timeout=self.timeout)
@@ -165,7 +170,7 @@ class AsyncClient:
         return _models(await self.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=self.timeout))
 
     async def load(self, model: str, config: dict | None = None, files: dict[str, bytes] | None = None) -> None:
-        await self.stub.RepositoryModelLoad(build_load_request(model, config, files), timeout=self.timeout)
+        await self.stub.RepositoryModelLoad(build_load_request(model, config, files), timeout=_load_timeout(self.timeout))
 
     async def unload(self, model: str) -> None:
         await self.stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name=model), timeout=self.timeout)
