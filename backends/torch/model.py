@@ -190,10 +190,10 @@ class Transformer(nn.Module):
         fused: dict[str, torch.Tensor] = {}
         missing: list[str] = []
 
-        def join(target: str, parts: list[str], required: bool = True) -> None:
+        def join(target: str, parts: list[str]) -> None:
             if all(p in state for p in parts):
                 fused[target] = torch.cat([state.pop(p) for p in parts])
-            elif required or any(p in state for p in parts):
+            else:
                 missing.extend(p for p in parts if p not in state)
 
         for i, layer in enumerate(self.layers):

@@ -58,11 +58,11 @@ def build_step(plan: StepPlan, blocks: BlockManager, device: torch.device) -> St
 
 def warmup_steps(block_size: int, device: torch.device) -> list[StepBatch]:
     """Steps of each shape the scheduler produces, on two scratch sequences in
-    KV blocks 0 and 1: a one-token prompt, a prompt, one-sequence decode, two prompts of unequal
-    length, two-sequence decode at equal and at unequal context. Run at load,
-    they compile every graph variant before the first request needs one. The
-    caches they write into hold nothing yet, and each sequence writes a cell
-    before any step reads it."""
+    KV blocks 0 and 1: a one-token prompt, a prompt, one-sequence decode, two
+    prompts of unequal length, two-sequence decode at equal and at unequal
+    context. Run at load, they compile every graph variant before the first
+    request needs one. What they write into the caches is scratch: a request
+    writes each cell of its blocks before it reads it."""
     tables = SimpleNamespace(block_size=block_size, tables={0: [0], 1: [1]})
 
     def plan(*work: tuple[int, int, int]) -> StepPlan:
