@@ -60,11 +60,28 @@ class TorchBackend(Backend):
         return Verdict.no(f"torch serves GGUF or safetensors language models, not {config.format.value}")
 
     def estimate_bytes(self, config: ModelConfig, model_dir: Path) -> int:
+        """Weights at the served dtype plus the KV block pool, and the same for
+        a draft model: what load() will report, from the checkpoint headers."""
+        from modeld.backends.torch.weights import gguf_footprint, safetensors_footprint
+
         if config.memory_estimate is not None:
             return config.memory_estimate
-        # dequantized fp32 weights are several times the quantized file
-        path = model_dir / config.artifact_path
-        return (path.stat().st_size if path.is_file() else 0) * 6
+        options = {**_DEFAULTS, **config.backend_options.get("torch", {})}
+        element = 4 if options["dtype"] == "float32" else 2
+        cells = int(options["num_blocks"]) * int(options["block_size"])
+        readers = [(model_dir / config.artifact_path, gguf_footprint if config.format is ModelFormat.GGUF
+                    else lambda _: safetensors_footprint(model_dir))]
+        if options.get("draft_path"):
+            readers.append((Path(options["draft_path"]), gguf_footprint))  # drafts are GGUF files
+        total = 0
+        for path, read in readers:
+            try:
+                fp = read(path)
+            except Exception:  # unreadable here: load() says why; reserve the file's size meanwhile
+                total += path.stat().st_size if path.is_file() else 0
+                continue
+            total += fp.num_params * element + 2 * fp.n_layers * cells * fp.kv_width * element
+        return total
 
     def load(self, config: ModelConfig, model_dir: Path) -> TorchGenerativeModel:
         return COMPUTE_THREAD.submit(TorchGenerativeModel, config, model_dir).result()

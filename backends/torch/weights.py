@@ -139,6 +139,42 @@ def load_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     return args, state
 
 
+@dataclass(frozen=True)
+class Footprint:
+    """What a checkpoint needs once served, read from headers only."""
+
+    num_params: int
+    n_layers: int
+    kv_width: int  # n_kv_heads * head_dim
+
+
+def gguf_footprint(path: Path) -> Footprint:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = _field(reader, "general.architecture")
+    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
+    dim = int(_field(reader, f"{arch}.embedding_length"))
+    return Footprint(num_params=sum(int(t.n_elements) for t in reader.tensors),
+                     n_layers=int(_field(reader, f"{arch}.block_count")), kv_width=n_kv * (dim // n_heads))
+
+
+def safetensors_footprint(model_dir: Path) -> Footprint:
+    from safetensors import safe_open
+
+    config = json.loads((model_dir / "config.json").read_text())
+    num_params = 0
+    for file in model_dir.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                num_params += int(np.prod(f.get_slice(name).get_shape()))
+    n_heads = config["num_attention_heads"]
+    head_dim = config["hidden_size"] // n_heads  # as ModelArgs.head_dim
+    return Footprint(num_params=num_params, n_layers=config["num_hidden_layers"],
+                     kv_width=config.get("num_key_value_heads", n_heads) * head_dim)
+
+
 def load_safetensors(model_dir: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 

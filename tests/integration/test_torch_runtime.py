@@ -21,12 +21,15 @@ LONG = "Please answer briefly and politely. " * 8 + "The capital of France is"
 NEW_TOKENS = 32
 
 
-def _load(**options):
+def _config(**options):
     config = load_model_toml("smollm2-torch", MODELS / "smollm2-torch/model.toml")
     # the engine resolves draft_model to a path; here we do it by hand
     options = {**config.backend_options["torch"], "draft_path": str(MODELS / "smollm2-draft/model.gguf"), **options}
-    config = dataclasses.replace(config, backend_options={"torch": options})
-    return TorchBackend().load(config, MODELS / "smollm2-torch")
+    return dataclasses.replace(config, backend_options={"torch": options})
+
+
+def _load(**options):
+    return TorchBackend().load(_config(**options), MODELS / "smollm2-torch")
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +84,11 @@ async def _generate(runtime, prompt, **params):
 def test_the_default_runtime_is_compiled(runtime):
     # a silent fallback to eager would leave every test below passing on the slower path
     assert runtime.model.compiled and runtime.draft.model.compiled
+
+
+def test_the_memory_estimate_is_what_the_load_reports(runtime):
+    # weights and KV pools of target and draft, read from the GGUF headers before loading
+    assert TorchBackend().estimate_bytes(_config(), MODELS / "smollm2-torch") == runtime.nbytes
 
 
 def test_alone_matches_transformers(runtime, reference):
