@@ -1,7 +1,7 @@
 """modeld's torch runtime vs Hugging Face transformers on the same weights
 (SmolLM2-135M-Instruct dequantized from the GGUF, fp32, greedy), one run.
 The peer and modeld (its defaults: fp32, torch.compile on) are measured back
-to back in three rounds and each ratio is the median of the rounds' ratios;
+to back in five rounds and each ratio is the median of the rounds' ratios;
 then one round each with torch.compile off and with bf16 weights, for the
 record of which is faster.
 
