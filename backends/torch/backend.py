@@ -96,18 +96,15 @@ def _pick_device(name: str):
 
 
 class TorchExecutor(StepExecutor):
-    def __init__(self, model, tokenizer, scheduler: PagedScheduler, device, dtype) -> None:
-        import torch
+    def __init__(self, model, tokenizer, scheduler: PagedScheduler, device) -> None:
+        from modeld.backends.torch.model import tensor_bytes
 
         self.model, self.tokenizer, self.scheduler, self.device = model, tokenizer, scheduler, device
         args = model.args
         self.vocab_size = args.vocab_size
         self.eos = set(args.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-        cells = scheduler.config.num_blocks * scheduler.config.block_size
-        shape = (cells, args.n_kv_heads, args.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.kv_bytes = 2 * args.n_layers * int(np.prod(shape)) * self.k_caches[0].element_size()
+        self.k_caches, self.v_caches = model.new_kv_caches(scheduler.config.kv_capacity)
+        self.kv_bytes = tensor_bytes(self.k_caches + self.v_caches)
         self._pieces: dict[int, bytes] = {}
 
     def run(self, plan: StepPlan) -> np.ndarray:
@@ -210,6 +207,8 @@ class TorchGenerativeModel(GenerativeModel):
     def __init__(self, config: ModelConfig, model_dir: Path) -> None:
         import torch
 
+        from modeld.backends.torch.model import tensor_bytes
+
         options = {**_DEFAULTS, **config.backend_options.get("torch", {})}
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(options["dtype"])
         if dtype is None:
@@ -233,11 +232,10 @@ class TorchGenerativeModel(GenerativeModel):
             max_running=int(options["max_running"]), max_step_tokens=int(options["max_step_tokens"]),
             max_waiting=int(options["max_waiting"]),
         ))
-        self.executor = TorchExecutor(self.model, self.tokenizer, self.scheduler, device, dtype)
+        self.executor = TorchExecutor(self.model, self.tokenizer, self.scheduler, device)
         if options["compile"]:
             _compile(self.model, self.executor.k_caches, self.executor.v_caches, block_size, device)
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.nbytes = weight_bytes + self.executor.kv_bytes
+        self.nbytes = tensor_bytes(self.model.parameters()) + self.executor.kv_bytes
         self.inputs, self.outputs = TEXT_SIGNATURE
         self.device = device
         self.draft = None
@@ -249,7 +247,7 @@ class TorchGenerativeModel(GenerativeModel):
             if draft_model.args.vocab_size != args.vocab_size:
                 raise LoadFailed("the draft model must share the target's vocabulary "
                                  f"({draft_model.args.vocab_size} vs {args.vocab_size} tokens)")
-            self.draft = TorchDraft(draft_model, int(options["num_blocks"]), block_size, device, dtype)
+            self.draft = TorchDraft(draft_model, int(options["num_blocks"]), block_size, device)
             if options["compile"]:
                 _compile(draft_model, self.draft.k_caches, self.draft.v_caches, block_size, device)
             self.nbytes += self.draft.nbytes

@@ -9,24 +9,19 @@ to what the target accepted.
 
 from __future__ import annotations
 
-import torch
-
 from modeld.backends.generation.block_manager import BlockManager
 from modeld.backends.generation.scheduler import SeqWork, StepPlan
 from modeld.backends.generation.sequence import Sequence
+from modeld.backends.torch.model import tensor_bytes
 from modeld.backends.torch.step import build_step
 
 
 class TorchDraft:
-    def __init__(self, model, num_blocks: int, block_size: int, device, dtype) -> None:
-        args = model.args
+    def __init__(self, model, num_blocks: int, block_size: int, device) -> None:
         self.model, self.device = model, device
         self.blocks = BlockManager(num_blocks, block_size)
-        shape = (num_blocks * block_size, args.n_kv_heads, args.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) + \
-            2 * args.n_layers * self.k_caches[0].numel() * self.k_caches[0].element_size()
+        self.k_caches, self.v_caches = model.new_kv_caches(num_blocks * block_size)
+        self.nbytes = tensor_bytes(model.parameters()) + tensor_bytes(self.k_caches + self.v_caches)
         self._computed: dict[int, int] = {}  # seq id -> tokens whose KV the draft holds
 
     def propose(self, wanted: dict[Sequence, int]) -> dict[Sequence, list[int]]:

@@ -164,6 +164,10 @@ class Layer(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x), project)
 
 
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def run_layer(layer: Layer, x, cos, sin, batch: StepBatch, k_cache, v_cache, project) -> torch.Tensor:
     return layer(x, cos, sin, batch, k_cache, v_cache, project)
 
@@ -233,6 +237,16 @@ class Transformer(nn.Module):
         fx_config.use_duck_shape = False
         self.run_layer = torch.compile(run_layer, dynamic=True)
         self.compiled = True
+
+    def new_kv_caches(self, cells: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Zeroed key and value caches, [cells, kv_heads, head_dim] per layer,
+        on the model's device and in its dtype."""
+        weight = self.tok_embeddings.weight
+        shape = (cells, self.args.n_kv_heads, self.args.head_dim)
+
+        def caches() -> list[torch.Tensor]:
+            return [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in range(self.args.n_layers)]
+        return caches(), caches()
 
     def output_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output
