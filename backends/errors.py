@@ -68,3 +68,16 @@ class BackendFailure(ModeldError):
     """
 
     kind = ErrorKind.INTERNAL
+
+
+_BY_KIND = {cls.kind: cls for cls in (InvalidArgument, NotFound, Unavailable, ResourceExhausted, Unimplemented,
+                                      Cancelled, DeadlineExceeded)}
+
+
+def error_for(kind: ErrorKind | None, message: str) -> ModeldError:
+    """The error of a kind reported as data (a generation's final event, a
+    worker's reply), so it reaches the client with its own status."""
+    error = _BY_KIND.get(kind, ModeldError)(message)
+    if kind is not None and kind not in _BY_KIND:
+        error.kind = kind  # FAILED_PRECONDITION, INTERNAL: no class of their own
+    return error

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from modeld.backends.errors import InvalidArgument
+from modeld.backends.options import OPTIONS_BY_BACKEND, BackendOptions, parse_backend_options
 from modeld.backends.sizes import parse_size
 
 # KServe v2 datatype names; the Triton model-config spelling is TYPE_<name>
@@ -66,6 +67,7 @@ class ModelConfig:
     max_batch_size: int = 0  # 0: the model takes whole tensors, no batching
     max_queue_delay_us: int = 0
     max_queue_size: int = 1024
+    preferred_batch_sizes: tuple[int, ...] = ()  # Triton's preferred_batch_size
     memory_estimate: int | None = None
     warmup: bool = False
     pinned: bool = False
@@ -73,7 +75,7 @@ class ModelConfig:
     inputs: tuple[TensorSpec, ...] = ()
     outputs: tuple[TensorSpec, ...] = ()
     text: TextSpec | None = None
-    backend_options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    backend_options: BackendOptions = BackendOptions()
 
     @property
     def artifact_path(self) -> str:
@@ -114,8 +116,7 @@ def config_from_json(name: str, text: str) -> ModelConfig:
 
 _KNOWN_KEYS = {
     "format", "backends", "artifact", "batching", "memory_estimate", "warmup",
-    "pinned", "lazy_load", "inputs", "outputs", "text", "name", "onnx", "llamacpp",
-    "torch", "reference",
+    "pinned", "lazy_load", "inputs", "outputs", "text", "name", *OPTIONS_BY_BACKEND,
 }
 
 
@@ -138,6 +139,7 @@ def config_from_dict(name: str, raw: dict[str, Any]) -> ModelConfig:
         max_batch_size=_Reader(name, batching, "batching.").int("max_batch_size", 0, minimum=0),
         max_queue_delay_us=_Reader(name, batching, "batching.").int("max_queue_delay_us", 0, minimum=0),
         max_queue_size=_Reader(name, batching, "batching.").int("max_queue_size", 1024, minimum=1),
+        preferred_batch_sizes=_preferred_sizes(name, batching),
         memory_estimate=reader.size("memory_estimate"),
         warmup=reader.bool("warmup", False),
         pinned=reader.bool("pinned", False),
@@ -145,7 +147,7 @@ def config_from_dict(name: str, raw: dict[str, Any]) -> ModelConfig:
         inputs=tuple(_tensor_specs(name, raw.get("inputs", []), "inputs")),
         outputs=tuple(_tensor_specs(name, raw.get("outputs", []), "outputs")),
         text=_text_spec(name, reader.table("text")),
-        backend_options={k: dict(reader.table(k)) for k in ("onnx", "llamacpp", "torch", "reference") if k in raw},
+        backend_options=parse_backend_options(name, {k: reader.table(k) for k in OPTIONS_BY_BACKEND if k in raw}),
     )
 
 
@@ -206,6 +208,22 @@ class _Reader:
             return enum(value)
         except ValueError:
             raise self._fail(key, "one of " + ", ".join(m.value for m in enum)) from None
+
+
+_BATCHING_KEYS = ("max_batch_size", "max_queue_delay_us", "max_queue_size", "preferred_batch_sizes")
+
+
+def _preferred_sizes(model: str, batching: dict[str, Any]) -> tuple[int, ...]:
+    unknown = sorted(set(batching) - set(_BATCHING_KEYS))
+    if unknown:
+        raise InvalidArgument(f"model {model!r}: unknown key batching.{unknown[0]}; known keys are {list(_BATCHING_KEYS)}")
+    sizes = batching.get("preferred_batch_sizes", [])
+    max_batch = batching.get("max_batch_size", 0)
+    if (not isinstance(sizes, list)
+            or not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= max_batch for v in sizes)):
+        raise InvalidArgument(f"model {model!r}: config key batching.preferred_batch_sizes must be a list of "
+                              f"integers in 1..max_batch_size ({max_batch}), got {sizes!r}")
+    return tuple(sorted(set(sizes)))
 
 
 def _safe_relative(model: str, path: str) -> str:
@@ -270,6 +288,9 @@ def _triton_to_native(raw: dict[str, Any]) -> dict[str, Any]:
     dyn = raw.get("dynamic_batching")
     if isinstance(dyn, dict) and "max_queue_delay_microseconds" in dyn:
         batching["max_queue_delay_us"] = _as_int(dyn["max_queue_delay_microseconds"])
+    if isinstance(dyn, dict) and "preferred_batch_size" in dyn:
+        sizes = dyn["preferred_batch_size"]
+        batching["preferred_batch_sizes"] = [_as_int(v) for v in sizes] if isinstance(sizes, list) else sizes
     if batching:
         out["batching"] = batching
     for triton_key, ours in (("input", "inputs"), ("output", "outputs")):

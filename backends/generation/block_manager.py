@@ -2,10 +2,14 @@
 sequence, reference counts, and automatic prefix caching.
 
 Full blocks are keyed by a chained hash of their tokens (the hash of a block
-covers every token before it too), so two prompts share a block only when
-everything up to and including it is equal. Freed blocks keep their hash and
-sit in the free queue in LRU order: a later prompt can revive them until their
-space is handed to someone else. No torch, no numpy: tested in microseconds.
+covers every token before it too). A hash is not proof: Python's tuple hash
+is 64 bits and not collision resistant, so a hit also compares the block's
+tokens and checks it was committed after the very block matched before it
+(id and epoch: blocks handed out anew count up their epoch). Two prompts
+thus share a block only when everything up to and including it is equal,
+collision or not. Freed blocks keep their hash and sit in the free queue in
+LRU order: a later prompt can revive them until their space is handed to
+someone else. No torch, no numpy: tested in microseconds.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: int | None = None  # set once the block is full and computed
+    token_ids: tuple[int, ...] = ()  # with hash: the tokens whose KV it holds
+    parent: tuple[int, int] | None = None  # with hash: (block id, epoch) of the block before it
+    epoch: int = 0  # counts the times the block was handed out for new content
 
 
 def chain_hash(previous: int | None, tokens: tuple[int, ...]) -> int:
@@ -33,7 +40,10 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # hash -> block id
         self.tables: dict[int, list[int]] = {}  # seq id -> block ids
-        self._hashes: dict[int, list[int]] = {}  # seq id -> hashes of its committed full blocks
+        # seq id -> per committed full block: its chain hash, and the (id, epoch)
+        # of the cached block a lookup of this exact prefix reaches there (None
+        # past a collision: no lookup can get further)
+        self._chain: dict[int, list[tuple[int, tuple[int, int] | None]]] = {}
 
     @property
     def num_free(self) -> int:
@@ -49,7 +59,7 @@ class BlockManager:
     # -- prefix cache ----------------------------------------------------------
 
     def start_sequence(self, seq_id: int) -> None:
-        self.tables[seq_id], self._hashes[seq_id] = [], []
+        self.tables[seq_id], self._chain[seq_id] = [], []
 
     def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
         """Give a new sequence the cached blocks of its longest cached prefix.
@@ -58,34 +68,44 @@ class BlockManager:
         so only blocks wholly before the last token can match. Returns the
         number of tokens covered.
         """
-        table, hashes, previous = [], [], None
+        table, chain, previous, parent = [], [], None, None
         for index in range((len(token_ids) - 1) // self.block_size):
             chunk = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
             key = chain_hash(previous, chunk)
             block_id = self.cached.get(key)
-            if block_id is None:
-                break
+            if block_id is None or not self._holds(block_id, chunk, parent):
+                break  # not cached, or a hash collision: another prompt's KV
             self._take(block_id)
             table.append(block_id)
-            hashes.append(key)
+            parent = self._link(block_id)
+            chain.append((key, parent))
             previous = key
         self.tables[seq_id] = table
-        self._hashes[seq_id] = hashes
+        self._chain[seq_id] = chain
         return len(table) * self.block_size
 
     def commit(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
         """Register the hashes of blocks that became full and computed."""
-        hashes, table = self._hashes[seq_id], self.tables[seq_id]
-        previous = hashes[-1] if hashes else None
-        for index in range(len(hashes), min(num_computed // self.block_size, len(table))):
+        chain, table = self._chain[seq_id], self.tables[seq_id]
+        for index in range(len(chain), min(num_computed // self.block_size, len(table))):
             chunk = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+            previous, parent = chain[-1] if chain else (None, None)
             key = chain_hash(previous, chunk)
-            block = self.blocks[table[index]]
-            if block.hash is None and key not in self.cached:
-                block.hash = key
-                self.cached[key] = block.block_id
-            hashes.append(key)
-            previous = key
+            link = None
+            if index == 0 or parent is not None:
+                block, cached_id = self.blocks[table[index]], self.cached.get(key)
+                if cached_id is not None and self._holds(cached_id, chunk, parent):
+                    # this prefix computed twice at once: lookups reach the first copy
+                    link = self._link(cached_id)
+                elif block.hash is None:
+                    if cached_id is not None:
+                        # a collision, or a block whose parent was handed out anew
+                        # (unreachable): this one serves lookups from now on
+                        self._forget_hash(cached_id)
+                    block.hash, block.token_ids, block.parent = key, chunk, parent
+                    self.cached[key] = block.block_id
+                    link = self._link(block.block_id)
+            chain.append((key, link))
 
     # -- allocation ------------------------------------------------------------
 
@@ -95,7 +115,7 @@ class BlockManager:
     def grow(self, seq_id: int, num_tokens: int) -> bool:
         """Make the table cover num_tokens positions; False (nothing taken) if it can't."""
         table = self.tables.setdefault(seq_id, [])
-        self._hashes.setdefault(seq_id, [])
+        self._chain.setdefault(seq_id, [])
         extra = self.blocks_for(num_tokens) - len(table)
         if extra > self.num_free:
             return False
@@ -103,6 +123,7 @@ class BlockManager:
             block_id = next(iter(self.free))
             self._take(block_id)
             self._forget_hash(block_id)
+            self.blocks[block_id].epoch += 1
             table.append(block_id)
         return True
 
@@ -113,13 +134,21 @@ class BlockManager:
         for block_id in table[keep:]:
             self._release(block_id)
         del table[keep:]
-        del self._hashes[seq_id][keep:]
+        del self._chain[seq_id][keep:]
 
     def free_sequence(self, seq_id: int) -> None:
         """Release a finished or preempted sequence; its hashed blocks stay cached."""
         for block_id in reversed(self.tables.pop(seq_id, [])):
             self._release(block_id)
-        self._hashes.pop(seq_id, None)
+        self._chain.pop(seq_id, None)
+
+    def _link(self, block_id: int) -> tuple[int, int]:
+        return block_id, self.blocks[block_id].epoch
+
+    def _holds(self, block_id: int, chunk: tuple[int, ...], parent: tuple[int, int] | None) -> bool:
+        """Whether a cached block holds exactly these tokens after exactly this parent."""
+        block = self.blocks[block_id]
+        return block.token_ids == chunk and block.parent == parent
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -138,4 +167,4 @@ class BlockManager:
         if block.hash is not None:
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
-            block.hash = None
+            block.hash, block.token_ids, block.parent = None, (), None

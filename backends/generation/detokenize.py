@@ -29,12 +29,12 @@ class IncrementalText:
         return tail
 
     def _release(self) -> str:
-        for stop in self._stop:
-            index = self._held.find(stop)
-            if index >= 0:
-                self.stopped = True
-                out, self._held = self._held[:index], ""
-                return out
+        # the earliest stop wins, whichever stop string it is
+        found = [i for i in (self._held.find(stop) for stop in self._stop) if i >= 0]
+        if found:
+            self.stopped = True
+            out, self._held = self._held[:min(found)], ""
+            return out
         keep = _longest_stop_prefix_suffix(self._held, self._stop)
         out = self._held[:len(self._held) - keep]
         self._held = self._held[len(self._held) - keep:]

@@ -8,23 +8,24 @@ import numpy as np
 
 from modeld.backends.errors import InvalidArgument
 from modeld.backends.generation.params import ChatMessage
-from modeld.backends.generation.scheduler import StepPlan
+from modeld.backends.generation.interface import StepPlan
 
 
 class StepExecutor(ABC):
     """Runs one scheduled step on a model and knows its vocabulary.
 
-    `run` is called from a worker thread, one step at a time; everything
-    else is called from the event loop between steps.
+    `run` reads nothing but the plan: no scheduler, no sequences. It is
+    called from a worker thread, one step at a time; everything else is
+    called from the event loop between steps.
     """
 
     vocab_size: int
 
     @abstractmethod
     def run(self, plan: StepPlan) -> np.ndarray:
-        """Apply plan.kv_ops, run every SeqWork in one forward pass, and
-        return the logits asked for: [sum of num_logits, vocab] float32, in
-        plan order."""
+        """Apply plan.kv_ops, run every item of plan.work in one forward
+        pass, and return the logits asked for: [sum of num_logits, vocab]
+        float32, in plan order."""
 
     @abstractmethod
     def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
@@ -50,9 +51,3 @@ class StepExecutor(ABC):
     def close(self) -> None:
         """Free the runtime's memory."""
 
-
-class DraftProposer(ABC):
-    """Proposes draft tokens for speculative decoding, per sequence."""
-
-    @abstractmethod
-    def propose(self, token_ids: list[int], num_tokens: int) -> list[int]: ...

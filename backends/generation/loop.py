@@ -1,10 +1,12 @@
 """The generation loop shared by the LLM backends.
 
-One asyncio task per model: schedule a step (plain Python), run it on the
-executor in a worker thread, then sample, verify drafts, detokenize and
-hand each sequence its events. Requests join and leave between steps;
-cancelling a request's consumer removes the sequence at the next step and
-frees its KV slot.
+One asyncio task per model. Each step: propose drafts, take the scheduler's
+plan, run it on the model runner in a worker thread, then per sequence
+sample, verify drafts, detokenize and send its tokens, and hand the results
+back to `scheduler.update()`, which alone moves sequences on and reports
+the ones that finished (cancelled ones included); the loop sends their final
+events. Requests join and leave between steps; a request whose consumer
+leaves is dropped, and its KV freed, by the next update.
 """
 
 from __future__ import annotations
@@ -18,18 +20,21 @@ from typing import AsyncIterator, Protocol
 import numpy as np
 import structlog
 
-from modeld.backends.errors import Unavailable, Unimplemented
+from modeld.backends.errors import ErrorKind, Unavailable, Unimplemented
 from modeld.backends.generation.detokenize import IncrementalText
+from modeld.backends.generation.draft import DraftRunner
 from modeld.backends.generation.executor import StepExecutor
+from modeld.backends.generation.interface import GenerationScheduler, SeqResult, SeqWork, StepPlan
 from modeld.backends.generation.ngram import propose_ngram
 from modeld.backends.generation.params import (
     FinalEvent, FinishReason, GenerateRequest, SpeculativeMode, TokenEvent, Usage,
 )
 from modeld.backends.generation.sampling import logprobs_of, make_rng, probabilities, sample_rows
-from modeld.backends.generation.scheduler import Scheduler, SeqWork
 from modeld.backends.generation.sequence import Sequence
 
 log = structlog.get_logger("modeld.generation")
+
+_NO_WORK: StepPlan = StepPlan((), ())
 
 
 class GenerationObserver(Protocol):
@@ -41,25 +46,38 @@ class GenerationObserver(Protocol):
 
 
 @dataclass
+class StepCounts:
+    """A trace of the runner's steps, for tests: whether sequences really
+    shared forward passes."""
+
+    steps: int = 0  # runs that carried tokens
+    shared_steps: int = 0  # runs that carried tokens of two or more sequences
+    most_sequences: int = 0  # the most sequences one run carried
+
+
+@dataclass
 class _Stream:
     queue: asyncio.Queue
     text: IncrementalText
 
 
 class GenerationLoop:
-    def __init__(self, executor: StepExecutor, scheduler: Scheduler, observer: GenerationObserver | None = None,
-                 draft: "DraftRunner | None" = None, worker: ThreadPoolExecutor | None = None) -> None:
-        self.executor = executor
+    def __init__(self, runner: StepExecutor, scheduler: GenerationScheduler,
+                 observer: GenerationObserver | None = None, draft: DraftRunner | None = None,
+                 worker: ThreadPoolExecutor | None = None) -> None:
+        self.runner = runner
         self.scheduler = scheduler
         self.observer = observer
         self.draft = draft
+        self.step_counts = StepCounts()
+        self._sequences: dict[int, Sequence] = {}  # seq id -> every request not yet finished
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
         # Always the same worker thread, and backends pass the thread they
         # loaded on: OpenMP keeps a thread team per calling thread, and
         # stepping on another thread than the loader's ran 1.5-2x slower here.
-        self._executor = worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix="modeld-step")
+        self._worker = worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix="modeld-step")
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -79,10 +97,10 @@ class GenerationLoop:
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         if request.token_ids:
-            return self.executor.check_token_ids(request.token_ids)
+            return self.runner.check_token_ids(request.token_ids)
         if request.messages:
-            return self.executor.tokenize(self.executor.apply_chat_template(request.messages), add_special=False)
-        return self.executor.tokenize(request.prompt)
+            return self.runner.tokenize(self.runner.apply_chat_template(request.messages), add_special=False)
+        return self.runner.tokenize(request.prompt)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinalEvent]:
         if self._stopping:
@@ -91,10 +109,11 @@ class GenerationLoop:
         if request.params.speculative is SpeculativeMode.DRAFT and self.draft is None:
             raise Unimplemented("this model has no draft model configured (set draft_model in its backend's table "
                                 "in model.toml)")
-        seq = Sequence(self.prompt_ids(request), request.params)
+        seq = Sequence(self.prompt_ids(request), request.params, priority=request.priority)
         seq.rng = make_rng(request.params.seed)
         seq.stream = _Stream(asyncio.Queue(), IncrementalText(request.params.stop))
         self.scheduler.add(seq)
+        self._sequences[seq.seq_id] = seq
         self._wakeup.set()
         try:
             while True:
@@ -104,7 +123,7 @@ class GenerationLoop:
                     return
         finally:
             if seq.finish_reason is None:
-                seq.is_cancelled = True  # the consumer left: drop it at the next step
+                seq.is_cancelled = True  # the consumer left: the next update drops it
                 self._wakeup.set()
 
     # -- the loop ----------------------------------------------------------------
@@ -119,75 +138,92 @@ class GenerationLoop:
                 continue
             try:
                 await self._step()
-            except Exception as exc:  # a runtime fault: fail the sequences in it, keep serving
-                log.exception("generation_step_failed")
-                for seq in list(self.scheduler.running):
-                    self._finish(seq, FinishReason.ERROR, f"the model failed while generating: {exc}")
+            except Exception as exc:  # a bug past the step's own fault handling: end what is in flight
+                log.exception("generation_loop_failed")
+                self._abandon_all(exc)
+                await asyncio.sleep(0.1)  # the same fault is likely to recur: do not spin on it
+            finally:
+                if self.observer is not None:
+                    s = self.scheduler
+                    self.observer.on_step(len(s.running), len(s.waiting), s.num_used_cells, s.kv_capacity)
 
     async def _step(self) -> None:
+        plan, results = _NO_WORK, {}
+        doing = "proposing draft tokens"
         try:
-            await self._run_step()
-        finally:
-            if self.observer is not None:
-                s = self.scheduler
-                self.observer.on_step(len(s.running), len(s.waiting), s.num_used_cells, s.config.kv_capacity)
-
-    async def _run_step(self) -> None:
-        await self._propose_drafts()
-        plan = self.scheduler.schedule()
-        if not plan.work:
-            if plan.kv_ops:
-                await self._in_worker(self.executor.run, plan)
+            drafts = await self._propose_drafts()
+            doing = "scheduling"
+            plan = self.scheduler.schedule(drafts)
+            if plan.work or plan.kv_ops:
+                doing = "running the model"
+                logits = await self._in_worker(self.runner.run, plan)
+                self._count(plan)
+                doing = "sampling"
+                results = self._sample(plan, logits)
             else:
                 await asyncio.sleep(0.001)  # waiting for room; let finished sequences leave
-            return
-        logits = await self._in_worker(self.executor.run, plan)
-        row = 0
-        for work in plan.work:
-            rows = logits[row:row + work.num_logits]
-            row += work.num_logits
-            if not work.seq.is_cancelled and work.seq.finish_reason is None:
-                self._apply(work, rows)
+        except Exception as exc:  # a runtime fault: fail the sequences in it, keep serving
+            log.exception("generation_step_failed", stage=doing)
+            failed = SeqResult(finish_reason=FinishReason.ERROR, error_kind=ErrorKind.UNAVAILABLE,
+                               error=f"the model failed while {doing} ({type(exc).__name__}: {exc}); retry the request")
+            results = {seq.seq_id: failed for seq in self.scheduler.running}
+        for seq in self.scheduler.update(plan, results):
+            self._finished(seq, results.get(seq.seq_id))
 
     async def _in_worker(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
-    async def _propose_drafts(self) -> None:
+    def _count(self, plan: StepPlan) -> None:
+        n = len(plan.work)
+        if n:
+            counts = self.step_counts
+            counts.steps += 1
+            counts.shared_steps += n >= 2
+            counts.most_sequences = max(counts.most_sequences, n)
+
+    async def _propose_drafts(self) -> dict[int, list[int]]:
+        drafts: dict[int, list[int]] = {}
         wanted: dict[Sequence, int] = {}
         for seq in self.scheduler.running:
-            seq.draft_ids = []
             if seq.is_prefilling or seq.params.speculative is SpeculativeMode.NONE or seq.is_cancelled:
                 continue
             room = min(seq.params.num_speculative_tokens, seq.params.max_tokens - seq.num_output - 1)
             if room <= 0:
                 continue
             if seq.params.speculative is SpeculativeMode.NGRAM:
-                seq.draft_ids = propose_ngram(seq.token_ids, room)
+                proposal = propose_ngram(seq.token_ids, room)
+                if proposal:
+                    drafts[seq.seq_id] = proposal
             else:
                 wanted[seq] = room
         if wanted and self.draft is not None:
             # the draft model decodes k tokens for every sequence, batched, off the loop
             proposals = await self._in_worker(self.draft.propose, wanted)
-            for seq, draft_ids in proposals.items():
-                seq.draft_ids = draft_ids
+            for seq, proposal in proposals.items():
+                if proposal:
+                    drafts[seq.seq_id] = proposal
+        return drafts
 
-    def _apply(self, work: SeqWork, rows: np.ndarray) -> None:
-        seq = work.seq
-        if work.num_logits == 0:  # a prompt chunk; no token yet
-            seq.num_computed += len(work.token_ids)
-            return
-        num_real = len(work.token_ids) - len(seq.draft_ids)
-        drafts = list(work.token_ids[num_real:])
-        accepted, new_tokens, kept_rows = self._verify(seq, drafts, rows)
-        seq.num_computed += num_real + accepted
-        if drafts:
-            seq.num_drafted += len(drafts)
-            seq.num_accepted += accepted
-            if accepted < len(drafts):
-                self.scheduler.trim(seq, seq.num_computed)
-            if self.draft is not None:
-                self.draft.accept(seq, seq.num_computed)
-        self._emit(seq, new_tokens, kept_rows)
+    # -- results ---------------------------------------------------------------
+
+    def _sample(self, plan: StepPlan, logits: np.ndarray) -> dict[int, SeqResult]:
+        results: dict[int, SeqResult] = {}
+        row = 0
+        for work in plan.work:
+            rows = logits[row:row + work.num_logits]
+            row += work.num_logits
+            if work.num_logits == 0:
+                continue  # a prompt chunk: no token yet
+            seq = self._sequences.get(work.seq_id)
+            if seq is not None and not seq.is_cancelled:
+                results[work.seq_id] = self._result(seq, work, rows)
+        return results
+
+    def _result(self, seq: Sequence, work: SeqWork, rows: np.ndarray) -> SeqResult:
+        drafts = list(work.token_ids[len(work.token_ids) - work.num_drafts:]) if work.num_drafts else []
+        accepted, tokens, rows = self._verify(seq, drafts, rows)
+        taken, reason = self._emit(seq, tokens, rows)
+        return SeqResult(tuple(taken), accepted, reason)
 
     def _verify(self, seq: Sequence, drafts: list[int], rows: np.ndarray) -> tuple[int, list[int], np.ndarray]:
         """Accept drafts left to right; the first rejection is replaced by a
@@ -217,14 +253,16 @@ class GenerationLoop:
         last = sample_rows(rows[len(drafts):len(drafts) + 1], [params], [seq.rng])
         return len(drafts), drafts + [int(last[0])], rows
 
-    def _emit(self, seq: Sequence, tokens: list[int], rows: np.ndarray) -> None:
+    def _emit(self, seq: Sequence, tokens: list[int], rows: np.ndarray) -> tuple[list[int], FinishReason | None]:
+        """Send the tokens the sequence keeps (up to a stop) and their text;
+        returns them with the reason it ends, if it does."""
         now = time.monotonic()
         first = None if seq.first_token_time else now - seq.arrival_time
         inter = None if seq.last_token_time is None else (now - seq.last_token_time) / len(tokens)
         seq.first_token_time = seq.first_token_time or now
         seq.last_token_time = now
         taken, reason = self._take_until_stop(seq, tokens)
-        text = "".join(seq.stream.text.push(self.executor.token_bytes(t)) for t in taken if not self._is_stop_token(seq, t))
+        text = "".join(seq.stream.text.push(self.runner.token_bytes(t)) for t in taken if not self._is_stop_token(seq, t))
         if seq.stream.text.stopped:
             reason = FinishReason.STOP
         if reason is not None:
@@ -237,51 +275,44 @@ class GenerationLoop:
             seq.stream.queue.put_nowait(TokenEvent(tuple(taken), text, logprobs, tops))
         if self.observer is not None:
             self.observer.on_tokens(len(taken), first, inter)
-        if reason is not None:
-            self._finish(seq, reason)
+        return taken, reason
 
     def _is_stop_token(self, seq: Sequence, token: int) -> bool:
         return token in seq.params.stop_token_ids or (
-            not seq.params.ignore_eos and self.executor.is_end_of_generation(token))
+            not seq.params.ignore_eos and self.runner.is_end_of_generation(token))
 
     def _take_until_stop(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
         taken: list[int] = []
+        room = seq.params.max_tokens - seq.num_output
         for token in tokens:
-            seq.token_ids.append(token)
             taken.append(token)
             if self._is_stop_token(seq, token):
                 return taken, FinishReason.STOP
-            if seq.num_output >= seq.params.max_tokens:
+            if len(taken) >= room:
                 return taken, FinishReason.LENGTH
         return taken, None
 
-    def _finish(self, seq: Sequence, reason: FinishReason, error: str = "") -> None:
-        if seq.finish_reason is not None:
-            return
-        seq.finish_reason = reason
-        # KV is valid only for tokens fed through the model
-        seq.num_computed = min(seq.num_computed, len(seq.token_ids) - 1)
-        self.scheduler.finish(seq)
+    def _finished(self, seq: Sequence, result: SeqResult | None) -> None:
+        """The scheduler let seq go (its KV is released): send its final event."""
         if self.draft is not None:
             self.draft.release(seq)
+        if self._sequences.pop(seq.seq_id, None) is None:
+            return  # abandoned: its final event went out already
         usage = Usage(
             prompt_tokens=seq.num_prompt, cached_prompt_tokens=seq.num_cached_prompt,
             completion_tokens=seq.num_output, drafted_tokens=seq.num_drafted, accepted_tokens=seq.num_accepted,
             time_to_first_token_s=(seq.first_token_time - seq.arrival_time) if seq.first_token_time else 0.0,
         )
-        seq.stream.queue.put_nowait(FinalEvent(reason, usage, error))
+        error, kind = (result.error, result.error_kind) if result is not None else ("", None)
+        seq.stream.queue.put_nowait(FinalEvent(seq.finish_reason, usage, error, kind))
         if self.observer is not None:
-            self.observer.on_finish(usage, reason)
+            self.observer.on_finish(usage, seq.finish_reason)
 
-
-class DraftRunner(Protocol):
-    """A draft model kept in step with the target's sequences.
-
-    `propose` runs in a worker thread between steps; `accept` and `release`
-    only record state on the event loop (the KV fix-ups happen in the next
-    `propose`).
-    """
-
-    def propose(self, wanted: dict[Sequence, int]) -> dict[Sequence, list[int]]: ...
-    def accept(self, seq: Sequence, num_valid: int) -> None: ...
-    def release(self, seq: Sequence) -> None: ...
+    def _abandon_all(self, exc: Exception) -> None:
+        """Fail every request now; the scheduler drops them (as cancelled) at its next update."""
+        for seq in self._sequences.values():
+            seq.is_cancelled = True
+            usage = Usage(prompt_tokens=seq.num_prompt, completion_tokens=seq.num_output)
+            seq.stream.queue.put_nowait(FinalEvent(FinishReason.ERROR, usage, f"generation failed: {exc}",
+                                                   ErrorKind.INTERNAL))
+        self._sequences.clear()

@@ -1,20 +1,23 @@
 """Continuous batching over a paged KV cache (the torch runtime's scheduler).
 
-Same contract as Scheduler (schedule / finish / trim), same token-budget
-loop: caught-up sequences first (one token plus drafts), then prompt chunks.
-Blocks come from a BlockManager; a new prompt starts after its cached
-prefix. When blocks run out, the most recently admitted sequence is
-preempted by recompute: its blocks are released (hashed ones stay cached)
-and it waits to be prefilled again. No torch, no numpy.
+Same interface as Scheduler (schedule / update, see interface.py), same
+token-budget loop: caught-up sequences first (one token plus drafts), then
+prompt chunks. Blocks come from a BlockManager; a new prompt starts after
+its cached prefix. When blocks run out, the most recently admitted sequence
+is preempted by recompute: its blocks are released (hashed ones stay
+cached) and it waits to be prefilled again. Each plan item carries the
+sequence's block table, so the executor never reads the BlockManager. No
+torch, no numpy.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
+from typing import Mapping
 
 from modeld.backends.generation.block_manager import BlockManager
-from modeld.backends.generation.scheduler import Admission, SeqWork, StepPlan
+from modeld.backends.generation.interface import PagedWork, StepPlan
+from modeld.backends.generation.scheduler import BaseScheduler
 from modeld.backends.generation.sequence import Sequence, SeqStatus
 
 
@@ -32,12 +35,10 @@ class PagedConfig:
         return self.num_blocks * self.block_size
 
 
-class PagedScheduler(Admission):
+class PagedScheduler(BaseScheduler):
     def __init__(self, config: PagedConfig) -> None:
-        self.config = config
+        super().__init__(config)
         self.blocks = BlockManager(config.num_blocks, config.block_size)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
         self.num_preemptions = 0
 
     @property
@@ -47,48 +48,51 @@ class PagedScheduler(Admission):
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def schedule(self) -> StepPlan:
-        self._drop_cancelled()
-        for seq in self.running:
-            if seq.params.cache_prompt:
-                self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+    def schedule(self, drafts: Mapping[int, list[int]] | None = None) -> StepPlan[PagedWork]:
+        drafts = drafts or {}
         budget = self.config.max_step_tokens
-        work: list[SeqWork] = []
-        for seq in [s for s in self.running if not s.is_prefilling]:
-            if seq not in self.running:
+        # by seq id, so a sequence preempted later in this call loses the item it already got
+        work: dict[int, PagedWork] = {}
+        live = [s for s in self.running if not s.is_cancelled]
+        for seq in [s for s in live if not s.is_prefilling]:
+            if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted below to make room
-            tokens = seq.token_ids[seq.num_computed:] + seq.draft_ids
-            if len(tokens) > budget or not self._grow(seq, seq.num_computed + len(tokens)):
-                seq.draft_ids = []
-                tokens = tokens[:1]
-                if len(tokens) > budget or not self._grow(seq, seq.num_computed + 1):
+            proposed = drafts.get(seq.seq_id, [])
+            tokens = seq.token_ids[seq.num_computed:] + proposed
+            if len(tokens) > budget or not self._grow(seq, seq.num_computed + len(tokens), work):
+                proposed, tokens = [], tokens[:1]
+                if len(tokens) > budget or not self._grow(seq, seq.num_computed + 1, work):
                     continue
-            work.append(SeqWork(seq, -1, seq.num_computed, tuple(tokens), len(tokens)))
+            work[seq.seq_id] = self._work(seq, tokens, len(tokens), len(proposed))
             budget -= len(tokens)
-        for seq in [s for s in self.running if s.is_prefilling]:
-            if budget <= 0 or seq not in self.running:
+        for seq in [s for s in live if s.is_prefilling]:
+            if budget <= 0 or seq.status is not SeqStatus.RUNNING:
                 continue
             item = self._chunk(seq, budget)
             if item is not None:
-                work.append(item)
+                work[seq.seq_id] = item
                 budget -= len(item.token_ids)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
-            item = self._admit(budget)
+        while budget > 0 and len(self.running) < self.config.max_running:
+            seq = self._next_waiting()
+            item = None if seq is None else self._admit(seq, budget)
             if item is None:
                 break
-            work.append(item)
+            work[seq.seq_id] = item
             budget -= len(item.token_ids)
-        return StepPlan((), tuple(w for w in work if w.seq in self.running))
+        return StepPlan((), tuple(work.values()))
 
-    def _chunk(self, seq: Sequence, budget: int) -> SeqWork | None:
+    def _work(self, seq: Sequence, tokens: list[int], num_logits: int, num_drafts: int) -> PagedWork:
+        return PagedWork(seq.seq_id, seq.num_computed, tuple(tokens), num_logits, num_drafts,
+                         tuple(self.blocks.tables[seq.seq_id]))
+
+    def _chunk(self, seq: Sequence, budget: int) -> PagedWork | None:
         remaining = seq.token_ids[seq.num_computed:]
         chunk = remaining[:budget]
         if not self.blocks.grow(seq.seq_id, seq.num_computed + len(chunk)):
             return None
-        return SeqWork(seq, -1, seq.num_computed, tuple(chunk), 1 if len(chunk) == len(remaining) else 0)
+        return self._work(seq, chunk, 1 if len(chunk) == len(remaining) else 0, 0)
 
-    def _admit(self, budget: int) -> SeqWork | None:
-        seq = self.waiting[0]
+    def _admit(self, seq: Sequence, budget: int) -> PagedWork | None:
         if seq.params.cache_prompt:
             cached = self.blocks.match_prefix(seq.seq_id, seq.token_ids)
         else:
@@ -100,47 +104,37 @@ class PagedScheduler(Admission):
             self.blocks.free_sequence(seq.seq_id)
             seq.num_computed = 0
             return None
-        self.waiting.popleft()
         if seq.num_output == 0:
             seq.num_cached_prompt = cached
-        seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        self._start(seq)
         return item
 
-    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+    def _grow(self, seq: Sequence, num_tokens: int, work: dict[int, PagedWork]) -> bool:
         """Blocks for num_tokens, preempting later-admitted sequences if needed."""
         while not self.blocks.grow(seq.seq_id, num_tokens):
             victims = [s for s in self.running if s is not seq]
             if not victims:
                 return False
-            self._preempt(victims[-1])
+            # a cancelled sequence's blocks go first: update() drops it from the queue anyway
+            victim = next((s for s in victims if s.is_cancelled), victims[-1])
+            self._preempt(victim)
+            work.pop(victim.seq_id, None)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free_sequence(seq.seq_id)
         seq.num_computed = 0
-        seq.draft_ids = []
-        seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq)
         self.num_preemptions += 1
 
-    def _drop_cancelled(self) -> None:
-        for seq in [s for s in self.waiting if s.is_cancelled]:
-            self.finish(seq)
-        for seq in [s for s in self.running if s.is_cancelled]:
-            self.finish(seq)
+    def _computed(self, seq: Sequence) -> None:
+        if seq.params.cache_prompt:
+            self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
 
-    def trim(self, seq: Sequence, pos: int) -> None:
+    def _trim(self, seq: Sequence, pos: int) -> None:
         self.blocks.shrink(seq.seq_id, pos)
 
-    def finish(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-            if seq.params.cache_prompt:
-                self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
-            self.blocks.free_sequence(seq.seq_id)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-            self.blocks.free_sequence(seq.seq_id)
-        seq.status = SeqStatus.FINISHED
+    def _release(self, seq: Sequence) -> None:
+        self._computed(seq)
+        self.blocks.free_sequence(seq.seq_id)

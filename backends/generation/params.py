@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from modeld.backends.errors import InvalidArgument
+from modeld.backends.errors import ErrorKind, InvalidArgument
 
 
 class SpeculativeMode(Enum):
@@ -72,12 +72,24 @@ class GenerateRequest:
     messages: tuple[ChatMessage, ...] = ()
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = ""
+    priority: int = 0  # 1 most urgent, larger less; 0: the default level, after every explicit one
 
     def validate(self) -> None:
         given = sum(bool(x) for x in (self.prompt, self.token_ids, self.messages))
         if given != 1:
             raise InvalidArgument("give exactly one of prompt, token_ids or messages")
+        if self.priority < 0:
+            raise InvalidArgument(f"priority must be >= 0 (1 is the most urgent, 0 the default), got {self.priority}")
         self.params.validate()
+
+
+_DEFAULT_RANK = 2**63
+
+
+def queue_rank(priority: int) -> int:
+    """Sort key of a priority level (Triton's convention): 1 goes first,
+    larger numbers later, and 0 (not given) after every explicit level."""
+    return priority if priority > 0 else _DEFAULT_RANK
 
 
 @dataclass(frozen=True)
@@ -109,3 +121,4 @@ class FinalEvent:
     finish_reason: FinishReason
     usage: Usage
     error: str = ""
+    error_kind: ErrorKind | None = None  # with FinishReason.ERROR: the status the failure maps to

@@ -4,37 +4,27 @@ As in vLLM v1 there is no prefill phase and no decode phase: each sequence's
 num_computed catches up with its token_ids inside a per-step token budget.
 Running sequences that are caught up go first (one token, plus any draft
 tokens); then prompt chunks of sequences still prefilling; then newly
-admitted ones. Sequences join and leave between steps. No numpy, no torch:
-`schedule()` returns plain data and `finish()` / `advance()` apply results.
+admitted ones, in priority order. Sequences join and leave between steps.
+No numpy, no torch: `schedule()` returns a StepPlan of plain data and
+`update()` applies the step's results (see interface.py).
+
+BaseScheduler holds what both schedulers share (admission, the waiting
+order, update and cancellation); Scheduler below keeps the KV in
+llama.cpp's slots, PagedScheduler (paged_scheduler.py) in blocks.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Mapping
 
 from modeld.backends.errors import InvalidArgument, ResourceExhausted
+from modeld.backends.generation.interface import SeqResult, SlotWork, StepPlan
+from modeld.backends.generation.params import FinishReason, queue_rank
 from modeld.backends.generation.sequence import Sequence, SeqStatus
 from modeld.backends.generation.slots import KvOp, KvOpKind, SlotPool
-
-
-@dataclass(frozen=True)
-class SeqWork:
-    seq: Sequence
-    slot: int
-    start_pos: int
-    token_ids: tuple[int, ...]  # uncomputed tokens, then this step's drafts
-    num_logits: int  # logits wanted for the last num_logits tokens (0: prefill chunk)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    kv_ops: tuple[KvOp, ...]
-    work: tuple[SeqWork, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(w.token_ids) for w in self.work)
 
 
 @dataclass(frozen=True)
@@ -46,12 +36,34 @@ class SchedulerConfig:
     max_waiting: int = 256
 
 
-class Admission:
-    """What both schedulers do when a request arrives: refuse what could
-    never fit, bound the waiting queue. Needs `config` (context_length,
-    kv_capacity, max_waiting) and `waiting`."""
+def _queue_key(seq: Sequence) -> tuple[int, int]:
+    # seq ids count up as requests arrive, so within a level the queue is
+    # FIFO, and a preempted sequence goes back ahead of later arrivals
+    return queue_rank(seq.priority), seq.seq_id
+
+
+class BaseScheduler(ABC):
+    """Admission, the waiting order, and the one place progress changes.
+
+    Subclasses set `config` (context_length, kv_capacity, max_waiting,
+    max_step_tokens), implement `schedule`, and say how KV is trimmed and
+    released.
+    """
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.waiting: list[Sequence] = []  # in (priority rank, arrival) order
+        self.running: list[Sequence] = []
+        self._held: dict[int, Sequence] = {}  # seq id -> every sequence waiting or running
+
+    @property
+    def kv_capacity(self) -> int:
+        return self.config.kv_capacity
+
+    # -- admission ---------------------------------------------------------------
 
     def check(self, seq: Sequence) -> None:
+        """Refuse what could never fit."""
         total = seq.num_prompt + seq.params.max_tokens
         limit = min(self.config.context_length, self.config.kv_capacity - seq.params.num_speculative_tokens)
         if total > limit:
@@ -66,15 +78,88 @@ class Admission:
             raise ResourceExhausted(
                 f"{len(self.waiting)} requests are already waiting (max_waiting); retry later or on another node"
             )
-        self.waiting.append(seq)
+        self._enqueue(seq)
+        self._held[seq.seq_id] = seq
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_queue_key)
+
+    def _next_waiting(self) -> Sequence | None:
+        """The next sequence to admit; cancelled ones wait for update() to drop them."""
+        return next((s for s in self.waiting if not s.is_cancelled), None)
+
+    def _start(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    # -- results -----------------------------------------------------------------
+
+    def update(self, plan: StepPlan, results: Mapping[int, SeqResult]) -> list[Sequence]:
+        finished: list[Sequence] = []
+        for work in plan.work:
+            seq = self._held.get(work.seq_id)
+            if seq is None or seq.status is not SeqStatus.RUNNING or seq.is_cancelled:
+                continue  # finished or cancelled meanwhile; cancelled ones are dropped below
+            result = results.get(work.seq_id)
+            if result is None:
+                if work.num_logits == 0:  # a prompt chunk: its KV is in, no token yet
+                    seq.num_computed += len(work.token_ids)
+                    self._computed(seq)
+                continue
+            if result.new_token_ids:
+                seq.token_ids.extend(result.new_token_ids)
+                num_fed = len(work.token_ids) - work.num_drafts + result.num_accepted
+                # a stop inside the accepted drafts leaves KV past the last token; it is not part of the text
+                seq.num_computed = min(seq.num_computed + num_fed, len(seq.token_ids) - 1)
+                if work.num_drafts:
+                    seq.num_drafted += work.num_drafts
+                    seq.num_accepted += result.num_accepted
+            if result.finish_reason is not None:
+                self._finish(seq, result.finish_reason)
+                finished.append(seq)
+                continue
+            if result.num_accepted < work.num_drafts:
+                self._trim(seq, seq.num_computed)
+            self._computed(seq)
+        for seq_id, result in results.items():  # failures of sequences the plan did not carry
+            seq = self._held.get(seq_id)
+            if seq is not None and result.finish_reason is not None:
+                self._finish(seq, result.finish_reason)
+                finished.append(seq)
+        for seq in [s for s in self.running + self.waiting if s.is_cancelled]:
+            self._finish(seq, FinishReason.CANCELLED)
+            finished.append(seq)
+        return finished
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        del self._held[seq.seq_id]
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+
+    def _computed(self, seq: Sequence) -> None:
+        """seq.num_computed grew."""
+
+    @abstractmethod
+    def _trim(self, seq: Sequence, pos: int) -> None:
+        """Forget seq's KV from `pos` on (rejected draft tokens), before the next step."""
+
+    @abstractmethod
+    def _release(self, seq: Sequence) -> None:
+        """A running sequence ended: free its KV (its first num_computed tokens may stay cached)."""
 
 
-class Scheduler(Admission):
+class Scheduler(BaseScheduler):
+    """KV in llama.cpp slots (one per sequence), with a prefix cache over them."""
+
     def __init__(self, config: SchedulerConfig) -> None:
-        self.config = config
+        super().__init__(config)
         self.slots = SlotPool(config.num_slots)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
         self._pending_ops: list[KvOp] = []
 
     @property
@@ -88,69 +173,53 @@ class Scheduler(Admission):
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self._pending_ops)
 
-    def schedule(self) -> StepPlan:
-        self._drop_cancelled()
+    def schedule(self, drafts: Mapping[int, list[int]] | None = None) -> StepPlan[SlotWork]:
+        drafts = drafts or {}
         budget = self.config.max_step_tokens
-        work: list[SeqWork] = []
-        decoding = [s for s in self.running if not s.is_prefilling]
-        prefilling = [s for s in self.running if s.is_prefilling]
-        for seq in decoding:
-            tokens = seq.token_ids[seq.num_computed:] + seq.draft_ids
-            if len(tokens) > budget:
-                seq.draft_ids = []
-                tokens = tokens[:1]
+        work: list[SlotWork] = []
+        live = [s for s in self.running if not s.is_cancelled]
+        for seq in [s for s in live if not s.is_prefilling]:
+            proposed = drafts.get(seq.seq_id, ())
+            tokens = seq.token_ids[seq.num_computed:]
+            if len(tokens) + len(proposed) > budget:
+                proposed = ()
             if len(tokens) > budget:
                 break
-            work.append(SeqWork(seq, seq.slot, seq.num_computed, tuple(tokens), len(tokens)))
+            tokens = (*tokens, *proposed)
+            work.append(SlotWork(seq.seq_id, seq.num_computed, tokens, len(tokens), len(proposed), seq.slot))
             budget -= len(tokens)
-        for seq in prefilling:
+        for seq in [s for s in live if s.is_prefilling]:
             if budget <= 0:
                 break
             work.append(self._chunk(seq, budget))
             budget -= len(work[-1].token_ids)
-        while self.waiting and budget > 0 and self._admit():
-            seq = self.running[-1]
+        while budget > 0 and (seq := self._next_waiting()) is not None and self._admit(seq):
             work.append(self._chunk(seq, budget))
             budget -= len(work[-1].token_ids)
         ops, self._pending_ops = tuple(self._pending_ops), []
         return StepPlan(ops, tuple(work))
 
-    def _chunk(self, seq: Sequence, budget: int) -> SeqWork:
+    def _chunk(self, seq: Sequence, budget: int) -> SlotWork:
         remaining = seq.token_ids[seq.num_computed:]
-        chunk = remaining[:budget]
+        chunk = tuple(remaining[:budget])
         wants_logits = len(chunk) == len(remaining)
-        return SeqWork(seq, seq.slot, seq.num_computed, tuple(chunk), 1 if wants_logits else 0)
+        return SlotWork(seq.seq_id, seq.num_computed, chunk, 1 if wants_logits else 0, 0, seq.slot)
 
-    def _admit(self) -> bool:
-        seq = self.waiting[0]
+    def _admit(self, seq: Sequence) -> bool:
         free = self.config.kv_capacity - self.num_reserved_cells - self.slots.num_cached_cells
         while free < seq.num_reserved and self.slots.cached:
             self._pending_ops.extend(self.slots.evict_lru())
             free = self.config.kv_capacity - self.num_reserved_cells - self.slots.num_cached_cells
         if free < seq.num_reserved or not self.slots.can_grant():
             return False
-        self.waiting.popleft()
         grant = self.slots.grant(seq.prompt_ids, seq, seq.params.cache_prompt)
         self._pending_ops.extend(grant.ops)
         seq.slot, seq.num_computed, seq.num_cached_prompt = grant.slot, grant.num_reused, grant.num_reused
-        seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        self._start(seq)
         return True
 
-    def _drop_cancelled(self) -> None:
-        self.waiting = deque(s for s in self.waiting if not s.is_cancelled)
-        for seq in [s for s in self.running if s.is_cancelled]:
-            self.finish(seq)
-
-    def trim(self, seq: Sequence, pos: int) -> None:
-        """Forget KV from `pos` on (rejected draft tokens), before the next step."""
+    def _trim(self, seq: Sequence, pos: int) -> None:
         self._pending_ops.append(KvOp(KvOpKind.TRIM, seq.slot, pos=pos))
 
-    def finish(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-            keep = seq.params.cache_prompt
-            self._pending_ops.extend(self.slots.release(seq.slot, seq.num_computed, keep))
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        seq.status = SeqStatus.FINISHED
+    def _release(self, seq: Sequence) -> None:
+        self._pending_ops.extend(self.slots.release(seq.slot, seq.num_computed, seq.params.cache_prompt))

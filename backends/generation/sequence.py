@@ -2,6 +2,9 @@
 
 Invariant once the prompt is prefilled: every token but the last has its KV
 in the cache (num_computed == len(token_ids) - 1); the last one is fed next.
+Only the scheduler's `update()` advances num_computed, appends tokens and
+finishes a sequence; `schedule()` may only reset progress (admission from
+the prefix cache, preemption).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class Sequence:
     num_cached_prompt: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
-    draft_ids: list[int] = field(default_factory=list)  # proposed for this step
+    priority: int = 0  # see params.queue_rank
     finish_reason: FinishReason | None = None
     is_cancelled: bool = False
     arrival_time: float = field(default_factory=time.monotonic)

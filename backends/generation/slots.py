@@ -31,7 +31,7 @@ class KvOp:
     kind: KvOpKind
     slot: int
     pos: int = 0
-    src: int = -1
+    src: int | None = None  # COPY's source slot
 
 
 @dataclass(frozen=True)

@@ -9,16 +9,15 @@ from modeld.backends.compute_thread import COMPUTE_THREAD
 from modeld.backends.base import Backend, Capability, GenerativeModel, Verdict
 from modeld.backends.errors import LoadFailed
 from modeld.backends.generation.executor import StepExecutor
+from modeld.backends.generation.interface import SlotWork, StepPlan
 from modeld.backends.generation.loop import GenerationLoop, GenerationObserver
 from modeld.backends.generation.params import ChatMessage
-from modeld.backends.generation.scheduler import Scheduler, SchedulerConfig, StepPlan
+from modeld.backends.generation.scheduler import Scheduler, SchedulerConfig
 from modeld.backends.model_config import ModelConfig, ModelFormat, TensorSpec
+from modeld.backends.options import LlamaCppOptions
 from modeld.backends.tensor_model import process_rss
 
 TEXT_SIGNATURE = (TensorSpec("text_input", "BYTES", (1,)),), (TensorSpec("text_output", "BYTES", (1,)),)
-
-_DEFAULTS = {"n_ctx": 32768, "n_slots": 8, "context_length": 4096, "n_threads": 2,
-             "max_step_tokens": 512, "max_waiting": 256}
 
 
 class LlamaCppBackend(Backend):
@@ -43,9 +42,8 @@ class LlamaCppBackend(Backend):
     def estimate_bytes(self, config: ModelConfig, model_dir: Path) -> int:
         if config.memory_estimate is not None:
             return config.memory_estimate
-        options = {**_DEFAULTS, **config.backend_options.get("llamacpp", {})}
         # weights plus a rough f16 KV figure; replaced by the measured one after load
-        return (model_dir / config.artifact_path).stat().st_size + int(options["n_ctx"]) * 32 * 1024
+        return (model_dir / config.artifact_path).stat().st_size + config.backend_options.llamacpp.n_ctx * 32 * 1024
 
     def load(self, config: ModelConfig, model_dir: Path) -> LlamaGenerativeModel:
         return COMPUTE_THREAD.submit(LlamaGenerativeModel, config, model_dir).result()
@@ -56,7 +54,7 @@ class LlamaExecutor(StepExecutor):
         self.model, self.context = model, context
         self.vocab_size = model.vocab_size
 
-    def run(self, plan: StepPlan):
+    def run(self, plan: StepPlan[SlotWork]):
         return self.context.run(plan)
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -76,12 +74,8 @@ class LlamaGenerativeModel(GenerativeModel):
     def __init__(self, config: ModelConfig, model_dir: Path, observer: GenerationObserver | None = None) -> None:
         from modeld.backends.llamacpp.context import LlamaContext, LlamaModel
 
-        options = {**_DEFAULTS, **config.backend_options.get("llamacpp", {})}
-        try:
-            n_ctx, n_slots = int(options["n_ctx"]), int(options["n_slots"])
-            threads, step = int(options["n_threads"]), int(options["max_step_tokens"])
-        except (TypeError, ValueError) as exc:
-            raise LoadFailed(f"[llamacpp] options must be integers: {exc}") from exc
+        options = config.backend_options.llamacpp
+        n_ctx, n_slots, threads, step = options.n_ctx, options.n_slots, options.n_threads, options.max_step_tokens
         path = model_dir / config.artifact_path
         rss_before = process_rss()
         self.llama_model = LlamaModel(path)
@@ -90,32 +84,33 @@ class LlamaGenerativeModel(GenerativeModel):
         # mmap'd weights count once touched; the KV cache is allocated at once
         self.nbytes = max(path.stat().st_size + kv_bytes, process_rss() - rss_before)
         self.inputs, self.outputs = TEXT_SIGNATURE
-        context_length = min(int(options["context_length"]), self.llama_model.n_ctx_train, n_ctx // n_slots)
+        context_length = min(options.context_length, self.llama_model.n_ctx_train, n_ctx // n_slots)
         self.scheduler = Scheduler(SchedulerConfig(
             num_slots=n_slots, kv_capacity=n_ctx, context_length=context_length,
-            max_step_tokens=step, max_waiting=int(options["max_waiting"]),
+            max_step_tokens=step, max_waiting=options.max_waiting,
         ))
         self.executor = LlamaExecutor(self.llama_model, self.context)
         self.draft = self._load_draft(options, n_ctx, n_slots, step, threads)
         if self.draft is not None:
             self.nbytes += self.draft.nbytes
-        self.loop = GenerationLoop(self.executor, self.scheduler, observer, self.draft, worker=COMPUTE_THREAD)
+        self.loop = GenerationLoop(runner=self.executor, scheduler=self.scheduler, observer=observer, draft=self.draft,
+                                   worker=COMPUTE_THREAD)
 
-    def _load_draft(self, options: dict, n_ctx: int, n_slots: int, step: int, threads: int):
+    def _load_draft(self, options: LlamaCppOptions, n_ctx: int, n_slots: int, step: int, threads: int):
         """The draft model named by draft_model (the engine resolves its path)."""
         from modeld.backends.llamacpp.context import LlamaContext, LlamaModel
         from modeld.backends.llamacpp.draft import LlamaDraft
 
-        path = options.get("draft_path")
+        path = options.draft_path
         if not path:
             return None
         rss_before = process_rss()
         model = LlamaModel(Path(path))
         if model.vocab_size != self.llama_model.vocab_size:
             model.close()
-            raise LoadFailed(f"draft model {options.get('draft_model')!r} has {model.vocab_size} tokens, "
+            raise LoadFailed(f"draft model {options.draft_model!r} has {model.vocab_size} tokens, "
                              f"the target {self.llama_model.vocab_size}: they must share a vocabulary")
-        draft = LlamaDraft(model, LlamaContext(model, n_ctx, n_slots, step, threads), n_slots)
+        draft = LlamaDraft(model, LlamaContext(model, n_ctx, n_slots, step, threads))
         draft.nbytes = max(Path(path).stat().st_size + n_ctx * model.kv_bytes_per_token(), process_rss() - rss_before)
         return draft
 

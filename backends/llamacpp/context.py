@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from modeld.backends.errors import BackendFailure, InvalidArgument, LoadFailed
+from modeld.backends.generation.interface import SlotWork, StepPlan
 from modeld.backends.generation.params import ChatMessage
-from modeld.backends.generation.scheduler import StepPlan
 from modeld.backends.generation.slots import KvOpKind
 
 
@@ -172,7 +172,7 @@ class LlamaContext:
             return np.zeros((0, self.model.vocab_size), dtype=np.float32)
         return np.concatenate(outputs) if len(outputs) > 1 else outputs[0]
 
-    def run(self, plan: StepPlan) -> np.ndarray:
+    def run(self, plan: StepPlan[SlotWork]) -> np.ndarray:
         self.apply_kv_ops(plan.kv_ops)
         items = []
         for work in plan.work:

@@ -49,14 +49,14 @@ class OnnxModel(GraphModel):
         import onnxruntime as ort
 
         options = ort.SessionOptions()
-        opts = config.backend_options.get("onnx", {})
-        options.intra_op_num_threads = int(opts.get("intra_op_threads", 0))
-        options.inter_op_num_threads = int(opts.get("inter_op_threads", 0))
+        opts = config.backend_options.onnx
+        options.intra_op_num_threads = opts.intra_op_threads
+        options.inter_op_num_threads = opts.inter_op_threads
         options.log_severity_level = 3
         # Spinning worker threads answer the next run sooner (measured here:
         # minilm p50 5.9 ms spinning, 8.2 ms not) at the cost of CPU between
         # runs; `allow_spinning = 0` under [onnx] trades back.
-        options.add_session_config_entry("session.intra_op.allow_spinning", str(int(opts.get("allow_spinning", 1))))
+        options.add_session_config_entry("session.intra_op.allow_spinning", str(opts.allow_spinning))
         path = model_dir / config.artifact_path
         rss_before = process_rss()
         try:

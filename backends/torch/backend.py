@@ -19,18 +19,15 @@ from modeld.backends.base import Backend, Capability, GenerativeModel, Verdict
 from modeld.backends.compute_thread import COMPUTE_THREAD
 from modeld.backends.errors import InvalidArgument, LoadFailed
 from modeld.backends.generation.executor import StepExecutor
+from modeld.backends.generation.interface import PagedWork, StepPlan
 from modeld.backends.generation.loop import GenerationLoop
 from modeld.backends.generation.paged_scheduler import PagedConfig, PagedScheduler
 from modeld.backends.generation.params import ChatMessage
-from modeld.backends.generation.scheduler import StepPlan
 from modeld.backends.model_config import ModelConfig, ModelFormat, TensorSpec
 
 log = structlog.get_logger("modeld.torch")
 
 TEXT_SIGNATURE = (TensorSpec("text_input", "BYTES", (1,)),), (TensorSpec("text_output", "BYTES", (1,)),)
-_DEFAULTS = {"block_size": 16, "num_blocks": 1024, "context_length": 2048, "max_running": 16,
-             "max_step_tokens": 512, "max_waiting": 256, "dtype": "float32", "threads": 0, "device": "auto",
-             "compile": True}
 
 
 class TorchBackend(Backend):
@@ -66,13 +63,13 @@ class TorchBackend(Backend):
 
         if config.memory_estimate is not None:
             return config.memory_estimate
-        options = {**_DEFAULTS, **config.backend_options.get("torch", {})}
-        element = 4 if options["dtype"] == "float32" else 2
-        cells = int(options["num_blocks"]) * int(options["block_size"])
+        options = config.backend_options.torch
+        element = 4 if options.dtype == "float32" else 2
+        cells = options.num_blocks * options.block_size
         readers = [(model_dir / config.artifact_path, gguf_footprint if config.format is ModelFormat.GGUF
                     else lambda _: safetensors_footprint(model_dir))]
-        if options.get("draft_path"):
-            readers.append((Path(options["draft_path"]), gguf_footprint))  # drafts are GGUF files
+        if options.draft_path:
+            readers.append((Path(options.draft_path), gguf_footprint))  # drafts are GGUF files
         total = 0
         for path, read in readers:
             try:
@@ -96,21 +93,24 @@ def _pick_device(name: str):
 
 
 class TorchExecutor(StepExecutor):
-    def __init__(self, model, tokenizer, scheduler: PagedScheduler, device) -> None:
+    """Runs paged steps: KV caches of num_blocks * block_size cells, which
+    each plan item addresses through its block table."""
+
+    def __init__(self, model, tokenizer, num_blocks: int, block_size: int, device) -> None:
         from modeld.backends.torch.model import tensor_bytes
 
-        self.model, self.tokenizer, self.scheduler, self.device = model, tokenizer, scheduler, device
+        self.model, self.tokenizer, self.block_size, self.device = model, tokenizer, block_size, device
         args = model.args
         self.vocab_size = args.vocab_size
         self.eos = set(args.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-        self.k_caches, self.v_caches = model.new_kv_caches(scheduler.config.kv_capacity)
+        self.k_caches, self.v_caches = model.new_kv_caches(num_blocks * block_size)
         self.kv_bytes = tensor_bytes(self.k_caches + self.v_caches)
         self._pieces: dict[int, bytes] = {}
 
-    def run(self, plan: StepPlan) -> np.ndarray:
+    def run(self, plan: StepPlan[PagedWork]) -> np.ndarray:
         from modeld.backends.torch.step import build_step
 
-        batch = build_step(plan, self.scheduler.blocks, self.device)
+        batch = build_step(plan, self.block_size, self.device)
         logits = self.model(batch, self.k_caches, self.v_caches)
         return logits.cpu().numpy()
 
@@ -209,49 +209,46 @@ class TorchGenerativeModel(GenerativeModel):
 
         from modeld.backends.torch.model import tensor_bytes
 
-        options = {**_DEFAULTS, **config.backend_options.get("torch", {})}
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(options["dtype"])
-        if dtype is None:
-            raise LoadFailed(f"[torch] dtype must be float32, bfloat16 or float16, not {options['dtype']!r}")
-        if not isinstance(options["compile"], bool):
-            raise LoadFailed(f"[torch] compile must be true or false, not {options['compile']!r}")
-        threads = int(options["threads"])
+        options = config.backend_options.torch
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[options.dtype]
+        threads = options.threads
         if threads and threads != torch.get_num_threads():
             # only when asked: it changes the OpenMP team llama.cpp shares
             torch.set_num_threads(threads)
-        device = _pick_device(str(options["device"]))
-        context_length = int(options["context_length"])
+        device = _pick_device(options.device)
+        context_length = options.context_length
         self.model = _build_model(config.format, model_dir / config.artifact_path, model_dir, device, dtype,
                                   context_length)
         args = self.model.args
         self.tokenizer = load_tokenizer(config, model_dir)
-        block_size = int(options["block_size"])
+        block_size = options.block_size
         self.scheduler = PagedScheduler(PagedConfig(
-            num_blocks=int(options["num_blocks"]), block_size=block_size,
+            num_blocks=options.num_blocks, block_size=block_size,
             context_length=min(context_length, args.max_seq_len),
-            max_running=int(options["max_running"]), max_step_tokens=int(options["max_step_tokens"]),
-            max_waiting=int(options["max_waiting"]),
+            max_running=options.max_running, max_step_tokens=options.max_step_tokens,
+            max_waiting=options.max_waiting,
         ))
-        self.executor = TorchExecutor(self.model, self.tokenizer, self.scheduler, device)
-        if options["compile"]:
+        self.executor = TorchExecutor(self.model, self.tokenizer, self.scheduler.config.num_blocks, block_size, device)
+        if options.compile:
             _compile(self.model, self.executor.k_caches, self.executor.v_caches, block_size, device)
         self.nbytes = tensor_bytes(self.model.parameters()) + self.executor.kv_bytes
         self.inputs, self.outputs = TEXT_SIGNATURE
         self.device = device
         self.draft = None
-        if options.get("draft_path"):
+        if options.draft_path:
             from modeld.backends.torch.draft import TorchDraft
 
-            draft_model = _build_model(ModelFormat.GGUF, Path(options["draft_path"]), model_dir, device, dtype,
+            draft_model = _build_model(ModelFormat.GGUF, Path(options.draft_path), model_dir, device, dtype,
                                        context_length)
             if draft_model.args.vocab_size != args.vocab_size:
                 raise LoadFailed("the draft model must share the target's vocabulary "
                                  f"({draft_model.args.vocab_size} vs {args.vocab_size} tokens)")
-            self.draft = TorchDraft(draft_model, int(options["num_blocks"]), block_size, device)
-            if options["compile"]:
+            self.draft = TorchDraft(draft_model, options.num_blocks, block_size, device)
+            if options.compile:
                 _compile(draft_model, self.draft.k_caches, self.draft.v_caches, block_size, device)
             self.nbytes += self.draft.nbytes
-        self.loop = GenerationLoop(self.executor, self.scheduler, draft=self.draft, worker=COMPUTE_THREAD)
+        self.loop = GenerationLoop(runner=self.executor, scheduler=self.scheduler, draft=self.draft,
+                                   worker=COMPUTE_THREAD)
 
     def unload(self) -> None:
         COMPUTE_THREAD.submit(self._release).result()

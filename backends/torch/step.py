@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
-from modeld.backends.generation.block_manager import BlockManager
-from modeld.backends.generation.scheduler import SeqWork, StepPlan
+from modeld.backends.generation.interface import PagedWork, StepPlan
 from modeld.backends.torch.model import StepBatch
 
 
-def _cache_index(table: list[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:
+def _cache_index(table: tuple[int, ...], positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Flat KV-cache index of each position through a block table."""
     blocks = torch.tensor(table, dtype=torch.long)
     return blocks[positions // block_size] * block_size + positions % block_size
 
 
-def build_step(plan: StepPlan, blocks: BlockManager, device: torch.device) -> StepBatch:
-    bs = blocks.block_size
+def build_step(plan: StepPlan[PagedWork], block_size: int, device: torch.device) -> StepBatch:
+    """Everything comes from the plan's items; block_size is the cache's layout."""
+    bs = block_size
     num_seqs = len(plan.work)
     lengths = [len(w.token_ids) for w in plan.work]
     contexts = [w.start_pos + n for w, n in zip(plan.work, lengths)]
@@ -33,7 +31,7 @@ def build_step(plan: StepPlan, blocks: BlockManager, device: torch.device) -> St
     kv_index = torch.zeros((num_seqs, max_c), dtype=torch.long)
     slots = []
     for s, (work, n, ctx) in enumerate(zip(plan.work, lengths, contexts)):
-        index = _cache_index(blocks.tables[work.seq.seq_id], torch.arange(ctx), bs)
+        index = _cache_index(work.block_table, torch.arange(ctx), bs)
         kv_index[s, :ctx] = index
         slots.append(index[work.start_pos:])
     logit_rows = torch.cat([torch.arange(o + n - w.num_logits, o + n)
@@ -63,12 +61,11 @@ def warmup_steps(block_size: int, device: torch.device) -> list[StepBatch]:
     context. Run at load, they compile every graph variant before the first
     request needs one. What they write into the caches is scratch: a request
     writes each cell of its blocks before it reads it."""
-    tables = SimpleNamespace(block_size=block_size, tables={0: [0], 1: [1]})
-
-    def plan(*work: tuple[int, int, int]) -> StepPlan:
-        return StepPlan((), tuple(SeqWork(SimpleNamespace(seq_id=seq), seq, start, tuple(range(1, n + 1)), 1)
+    def plan(*work: tuple[int, int, int]) -> StepPlan[PagedWork]:
+        # scratch sequence s lives in block s
+        return StepPlan((), tuple(PagedWork(seq, start, tuple(range(1, n + 1)), 1, 0, (seq,))
                                   for seq, start, n in work))
 
     plans = [plan((0, 0, 1)), plan((0, 0, 3)), plan((0, 3, 1)), plan((0, 0, 3), (1, 0, 2)),
              plan((0, 3, 1), (1, 3, 1)), plan((0, 4, 1), (1, 3, 1))]
-    return [build_step(p, tables, device) for p in plans]
+    return [build_step(p, block_size, device) for p in plans]

@@ -236,3 +236,40 @@ def test_the_torch_runtime_serves_through_the_daemon(daemon):
     assert "".join(r.text for r in responses).startswith(" Paris")
     client = tc.InferenceServerClient(daemon.address)
     assert client.get_model_metadata("smollm2-torch").platform == "modeld_torch"
+
+
+def test_cancelling_a_draft_stream_releases_the_llama_draft_state():
+    """In process: a cancelled speculative stream leaves no draft state behind."""
+    import dataclasses
+
+    from modeld.backends.generation.params import GenerateRequest, SamplingParams, SpeculativeMode
+    from modeld.backends.llamacpp.backend import LlamaCppBackend
+    from modeld.backends.model_config import load_model_toml
+
+    config = load_model_toml("smollm2", MODELS / "smollm2/model.toml")
+    options = dataclasses.replace(config.backend_options.llamacpp, n_ctx=2048, n_slots=2,
+                                  draft_path=str(MODELS / "smollm2-draft/model.gguf"))
+    config = dataclasses.replace(config, backend_options=dataclasses.replace(config.backend_options, llamacpp=options))
+    model = LlamaCppBackend().load(config, MODELS / "smollm2")
+
+    async def go():
+        await model.start()
+        try:
+            stream = model.generate(GenerateRequest("smollm2", prompt="Count to one thousand:", params=SamplingParams(
+                max_tokens=500, ignore_eos=True, speculative=SpeculativeMode.DRAFT, num_speculative_tokens=3)))
+            got = 0
+            while got < 6:
+                got += len((await stream.__anext__()).token_ids)
+            assert model.draft.computed  # the draft follows the running sequence
+            await stream.aclose()  # the client went away
+            for _ in range(500):
+                if not model.scheduler.has_work():
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await model.stop()
+    try:
+        asyncio.run(go())
+        assert not model.scheduler.running and model.draft.computed == {}
+    finally:
+        model.unload()

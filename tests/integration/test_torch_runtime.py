@@ -12,7 +12,7 @@ import torch
 from daemon import MODELS
 from modeld.backends.generation.params import FinalEvent, GenerateRequest, SamplingParams, SpeculativeMode
 from modeld.backends.model_config import load_model_toml
-from modeld.backends.errors import LoadFailed
+from modeld.backends.errors import InvalidArgument
 from modeld.backends.torch.backend import TorchBackend
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time there was",
@@ -24,8 +24,9 @@ NEW_TOKENS = 32
 def _config(**options):
     config = load_model_toml("smollm2-torch", MODELS / "smollm2-torch/model.toml")
     # the engine resolves draft_model to a path; here we do it by hand
-    options = {**config.backend_options["torch"], "draft_path": str(MODELS / "smollm2-draft/model.gguf"), **options}
-    return dataclasses.replace(config, backend_options={"torch": options})
+    torch_options = dataclasses.replace(config.backend_options.torch,
+                                        draft_path=str(MODELS / "smollm2-draft/model.gguf"), **options)
+    return dataclasses.replace(config, backend_options=dataclasses.replace(config.backend_options, torch=torch_options))
 
 
 def _load(**options):
@@ -161,5 +162,32 @@ def test_eager_runtime_matches_transformers(reference):
 
 
 def test_a_compile_setting_that_is_not_a_bool_is_refused():
-    with pytest.raises(LoadFailed, match="compile must be true or false"):
+    # refused as the options are built, before any weights are read
+    with pytest.raises(InvalidArgument, match="torch.compile must be true or false"):
         _load(compile="yes")
+
+
+def test_cancelling_a_draft_stream_releases_the_draft_blocks(runtime):
+    """A speculative stream cancelled mid-generation gives the draft model's
+    KV blocks back, as it does the target's."""
+    draft_blocks = runtime.draft.blocks
+    free_before = draft_blocks.num_free
+
+    async def go():
+        request = GenerateRequest("smollm2-torch", prompt=LONG, params=SamplingParams(
+            max_tokens=200, ignore_eos=True, speculative=SpeculativeMode.DRAFT, num_speculative_tokens=3))
+        stream = runtime.generate(request)
+        got = 0
+        while got < 6:
+            got += len((await stream.__anext__()).token_ids)
+        held = draft_blocks.num_free
+        await stream.aclose()  # the client went away
+        for _ in range(500):
+            if not runtime.scheduler.has_work():
+                break
+            await asyncio.sleep(0.01)
+        return held
+    held = _run(runtime, go)
+    assert held < free_before  # the draft was in use when the stream was cancelled
+    assert not runtime.scheduler.running
+    assert draft_blocks.num_free == free_before and not draft_blocks.tables

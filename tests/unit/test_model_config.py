@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from modeld.backends.errors import InvalidArgument
+from modeld.backends.errors import ErrorKind, InvalidArgument
 from modeld.backends.model_config import (
     ModelConfig, ModelFormat, TensorSpec, TextSpec, config_from_dict, config_from_json, load_model_toml,
     validate_model_name,
 )
+from modeld.backends.options import BackendOptions, LlamaCppOptions, OnnxOptions, TorchOptions
 
 MINILM_TOML = """
 format = "onnx"
@@ -65,7 +67,7 @@ def test_model_toml_parses_every_section(tmp_path):
     assert (config.max_batch_size, config.max_queue_delay_us, config.max_queue_size) == (64, 250, 32)
     assert config.is_batched
     assert config.text == TextSpec(tokenizer="tokenizer.json", input="text", max_length=128)
-    assert config.backend_options == {"onnx": {"intra_op_threads": 2}}
+    assert config.backend_options == BackendOptions(onnx=OnnxOptions(intra_op_threads=2))
     assert config.inputs == (TensorSpec("text", "BYTES", (-1,)),)
     assert config.outputs == (TensorSpec("embedding", "FP32", (-1, 384)),)
     assert config.artifact_path == "model.onnx"
@@ -89,6 +91,12 @@ def test_embedded_repository_configs_parse():
     assert minilm.text is not None and minilm.text.tokenizer == "tokenizer.json"
     softcap = load_model_toml("softcap_demo", root / "softcap_demo" / "model.toml")
     assert softcap.max_batch_size == 8 and softcap.backends == ()
+    smollm2 = load_model_toml("smollm2", root / "smollm2" / "model.toml")
+    assert smollm2.backend_options.llamacpp.draft_model == "smollm2-draft"
+    assert smollm2.backend_options.llamacpp.n_ctx == 16384
+    torch_llm = load_model_toml("smollm2-torch", root / "smollm2-torch" / "model.toml")
+    assert torch_llm.backend_options.torch.compile is True and torch_llm.backend_options.torch.dtype == "float32"
+    assert load_model_toml("smollm2-draft", root / "smollm2-draft" / "model.toml").backend_options.llamacpp.n_slots == 4
 
 
 @pytest.mark.parametrize(("text", "nbytes"), [
@@ -330,3 +338,127 @@ def test_invalid_model_name_is_checked_by_config_parsing():
 def test_model_name_with_trailing_newline_is_refused():
     with pytest.raises(InvalidArgument):
         validate_model_name("abc\n")
+
+
+# -- backend options ---------------------------------------------------------------------
+
+
+def test_a_model_without_option_tables_gets_every_backend_default():
+    options = config_from_dict("m", {}).backend_options
+    assert options == BackendOptions()
+    assert (options.onnx.intra_op_threads, options.onnx.inter_op_threads, options.onnx.allow_spinning) == (0, 0, 1)
+    llama = options.llamacpp
+    assert (llama.n_ctx, llama.n_slots, llama.context_length, llama.n_threads, llama.max_step_tokens,
+            llama.max_waiting, llama.draft_model, llama.draft_path) == (32768, 8, 4096, 2, 512, 256, "", "")
+    torch = options.torch
+    assert (torch.block_size, torch.num_blocks, torch.context_length, torch.max_running, torch.max_step_tokens,
+            torch.max_waiting, torch.dtype, torch.threads, torch.device, torch.compile, torch.draft_model) == (
+        16, 1024, 2048, 16, 512, 256, "float32", 0, "auto", True, "")
+
+
+def test_one_table_keeps_the_other_backends_defaults():
+    options = config_from_dict("m", {"torch": {"dtype": "bfloat16", "device": "cuda:1"}}).backend_options
+    assert options.torch == TorchOptions(dtype="bfloat16", device="cuda:1")
+    assert options.llamacpp == LlamaCppOptions()
+
+
+@pytest.mark.parametrize(("section", "key", "value", "accepted"), [
+    ("torch", "num_blocks", 0, "an integer >= 1"),
+    ("torch", "block_size", True, "an integer >= 1"),
+    ("torch", "threads", -1, "an integer >= 0"),
+    ("torch", "dtype", "float64", "one of float32, bfloat16, float16"),
+    ("torch", "compile", "yes", "true or false"),
+    ("torch", "device", "gpu", "one of auto, cpu, cuda, cuda:<index>, mps"),
+    ("torch", "max_waiting", 0, "an integer >= 1"),
+    ("llamacpp", "n_ctx", "4096", "an integer >= 1"),
+    ("llamacpp", "n_slots", 0, "an integer >= 1"),
+    ("llamacpp", "n_threads", 2.5, "an integer >= 1"),
+    ("llamacpp", "draft_model", "../x", "the name of another model"),
+    ("llamacpp", "draft_model", 7, "the name of another model"),
+    ("onnx", "allow_spinning", 2, "0 or 1"),
+    ("onnx", "allow_spinning", True, "0 or 1"),
+    ("onnx", "intra_op_threads", -1, "an integer >= 0"),
+])
+def test_a_bad_option_value_names_model_key_value_and_what_is_accepted(section, key, value, accepted):
+    with pytest.raises(InvalidArgument) as info:
+        config_from_dict("m", {section: {key: value}})
+    message = str(info.value)
+    assert "model 'm'" in message
+    assert f"{section}.{key}" in message
+    assert repr(value) in message
+    assert accepted in message
+    assert info.value.kind is ErrorKind.INVALID_ARGUMENT
+
+
+def test_an_unknown_option_is_refused_with_the_known_keys():
+    with pytest.raises(InvalidArgument) as info:
+        config_from_dict("m", {"torch": {"num_block": 64}})
+    message = str(info.value)
+    assert "torch.num_block" in message
+    assert "known keys: block_size, compile, context_length, device, draft_model, dtype" in message
+    assert "draft_path" not in message  # the daemon's own key is not offered
+
+
+def test_the_reference_backend_takes_no_options():
+    with pytest.raises(InvalidArgument, match=r"reference\.threads; the reference backend takes no options"):
+        config_from_dict("m", {"reference": {"threads": 2}})
+
+
+@pytest.mark.parametrize("section", ["torch", "llamacpp"])
+def test_draft_path_is_the_daemons_to_set(section):
+    with pytest.raises(InvalidArgument, match=rf"{section}\.draft_path is set by the daemon"):
+        config_from_dict("m", {section: {"draft_path": "/etc/passwd"}})
+
+
+def test_a_model_cannot_draft_for_itself():
+    with pytest.raises(InvalidArgument, match=r"llamacpp\.draft_model must name another model"):
+        config_from_dict("m", {"llamacpp": {"draft_model": "m"}})
+
+
+def test_llamacpp_needs_a_kv_cell_per_slot():
+    with pytest.raises(InvalidArgument, match=r"llamacpp\.n_ctx must be at least n_slots \(8\), got 4"):
+        config_from_dict("m", {"llamacpp": {"n_ctx": 4}})
+
+
+def test_inline_json_options_are_checked_the_same_way():
+    with pytest.raises(InvalidArgument, match=r"model 'm': config key torch\.dtype must be one of"):
+        config_from_json("m", json.dumps({"format": "gguf", "torch": {"dtype": "int8"}}))
+    assert config_from_json("m", json.dumps({"onnx": {"intra_op_threads": 3}})).backend_options.onnx.intra_op_threads == 3
+
+
+def test_options_cannot_be_built_invalid_nor_changed():
+    # an invalid options object cannot exist, so backends never re-check
+    with pytest.raises(InvalidArgument, match=r"torch\.compile must be true or false"):
+        dataclasses.replace(TorchOptions(), compile="yes")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TorchOptions().num_blocks = 3  # type: ignore[misc]
+
+
+def test_llamacpp_estimate_reads_the_typed_n_ctx(tmp_path):
+    from modeld.backends.llamacpp.backend import LlamaCppBackend
+
+    (tmp_path / "model.gguf").write_bytes(b"x" * 100)
+    config = config_from_dict("m", {"format": "gguf", "llamacpp": {"n_ctx": 1024}})
+    assert LlamaCppBackend().estimate_bytes(config, tmp_path) == 100 + 1024 * 32 * 1024
+
+
+async def test_a_load_with_a_bad_option_comes_back_invalid_argument(tmp_path):
+    import grpc
+
+    from modeld.backends.registry import BackendRegistry
+    from modeld.server.engine import Engine
+    from modeld.server.memory import MemoryManager
+    from modeld.server.metrics import Metrics
+    from modeld.server.repository import ModelRepository
+    from modeld.server.services.status import STATUS_BY_KIND
+
+    (tmp_path / "repo" / "llm").mkdir(parents=True)
+    (tmp_path / "repo" / "llm" / "model.toml").write_text('format = "gguf"\n[torch]\nnum_blocks = 0\n')
+    engine = Engine(ModelRepository(tmp_path / "repo", tmp_path / "inline"), BackendRegistry(),
+                    MemoryManager(1 << 30), Metrics())
+    with pytest.raises(InvalidArgument, match=r"model 'llm': config key torch\.num_blocks") as info:
+        await engine.load("llm")
+    assert STATUS_BY_KIND[info.value.kind] is grpc.StatusCode.INVALID_ARGUMENT
+    # RepositoryModelLoad with an inline config parses it before the engine loads
+    with pytest.raises(InvalidArgument, match=r"config key llamacpp\.max_waiting must be an integer >= 1, got 0"):
+        engine.repository.add_inline("llm", json.dumps({"format": "gguf", "llamacpp": {"max_waiting": 0}}), {})

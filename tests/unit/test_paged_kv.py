@@ -6,8 +6,9 @@ from __future__ import annotations
 import random
 
 from modeld.backends.generation.block_manager import BlockManager
+from modeld.backends.generation.interface import SeqResult
 from modeld.backends.generation.paged_scheduler import PagedConfig, PagedScheduler
-from modeld.backends.generation.params import SamplingParams
+from modeld.backends.generation.params import FinishReason, SamplingParams
 from modeld.backends.generation.sequence import Sequence
 
 
@@ -44,18 +45,15 @@ def test_freed_cached_blocks_are_revived_until_reused():
 
 
 def _fake_step(scheduler: PagedScheduler, rng: random.Random, vocab: int = 50) -> None:
-    """Apply a step the way the generation loop does, with random tokens."""
+    """A step the way the generation loop runs one, with random tokens."""
     plan = scheduler.schedule()
+    results = {}
     for work in plan.work:
-        seq = work.seq
-        if work.num_logits == 0:
-            seq.num_computed += len(work.token_ids)
-            continue
-        seq.num_computed += len(work.token_ids)
-        seq.token_ids.append(rng.randrange(vocab))
-        seq.num_computed = len(seq.token_ids) - 1
-        if seq.num_output >= seq.params.max_tokens or rng.random() < 0.05:
-            scheduler.finish(seq)
+        if work.num_logits:
+            seq = next(s for s in scheduler.running if s.seq_id == work.seq_id)
+            done = seq.num_output + 1 >= seq.params.max_tokens or rng.random() < 0.05
+            results[work.seq_id] = SeqResult((rng.randrange(vocab),), 0, FinishReason.LENGTH if done else None)
+    scheduler.update(plan, results)
 
 
 def test_no_block_leaks_after_500_random_requests_with_cancels_and_preemptions():

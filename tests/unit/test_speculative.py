@@ -14,7 +14,7 @@ from modeld.backends.generation.sequence import Sequence
 
 
 def _loop() -> GenerationLoop:
-    return GenerationLoop(executor=None, scheduler=None)
+    return GenerationLoop(runner=None, scheduler=None)
 
 
 def test_greedy_accepts_while_the_target_agrees():

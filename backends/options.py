@@ -1,0 +1,186 @@
+"""Each backend's table in model.toml, as a frozen dataclass.
+
+The tables are parsed and checked once, when the model config is read, so a
+typo or a bad number comes back as INVALID_ARGUMENT naming the key instead of
+passing silently or failing later inside a load. A field's accepted values
+live in its metadata, and one generic check reads them; an options object
+that breaks them cannot be built, so backends read attributes without
+re-checking.
+
+The config parser runs before any backend is chosen: this module must not
+import torch, llama_cpp or onnxruntime.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
+
+from modeld.backends.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class _Spec:
+    accepts: Callable[[Any], bool]
+    want: str  # completes "must be ...", for the error message
+    internal: bool = False  # set by the daemon, refused from a config
+
+
+class OptionError(InvalidArgument):
+    """One option value is out of bounds; the config parser adds the model's name."""
+
+    def __init__(self, key: str, value: Any, want: str) -> None:
+        super().__init__(f"option {key} must be {want}, got {value!r}")
+        self.key, self.value, self.want = key, value, want
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # TOML true is not a count
+
+
+def _int(default: int, minimum: int) -> Any:
+    return field(default=default, metadata={"spec": _Spec(lambda v: _is_int(v) and v >= minimum,
+                                                          f"an integer >= {minimum}")})
+
+
+def _one_of(default: Any, *values: Any) -> Any:
+    words = [str(v).lower() if isinstance(v, bool) else str(v) for v in values]
+    return field(default=default, metadata={"spec": _Spec(
+        lambda v: any(type(v) is type(a) and v == a for a in values),
+        "one of " + ", ".join(words) if len(words) > 2 else " or ".join(words))})
+
+
+_DEVICE_RE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+
+def _device(default: str) -> Any:
+    return field(default=default, metadata={"spec": _Spec(
+        lambda v: isinstance(v, str) and _DEVICE_RE.fullmatch(v) is not None,
+        "one of auto, cpu, cuda, cuda:<index>, mps")})
+
+
+def _is_model_name(value: Any) -> bool:
+    if value == "":  # no draft; also what the defaults built at import time hold
+        return True
+    if not isinstance(value, str):
+        return False
+    # imported here: model_config imports this module at its top
+    from modeld.backends.model_config import MODEL_NAME_RE
+
+    return MODEL_NAME_RE.fullmatch(value) is not None and ".." not in value
+
+
+def _model_name() -> Any:
+    return field(default="", metadata={"spec": _Spec(_is_model_name, "the name of another model in the repository")})
+
+
+def _internal_path() -> Any:
+    return field(default="", metadata={"spec": _Spec(lambda v: isinstance(v, str), "a path", internal=True)})
+
+
+class _Options:
+    """Checks every field against its spec whenever an instance is built,
+    dataclasses.replace included."""
+
+    section = ""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # type: ignore[arg-type]
+            spec: _Spec = f.metadata["spec"]
+            value = getattr(self, f.name)
+            if not spec.accepts(value):
+                raise OptionError(f"{self.section}.{f.name}", value, spec.want)
+        self._check()
+
+    def _check(self) -> None:
+        """Constraints between fields."""
+
+
+@dataclass(frozen=True)
+class OnnxOptions(_Options):
+    section = "onnx"
+    intra_op_threads: int = _int(0, minimum=0)  # 0: onnxruntime's choice
+    inter_op_threads: int = _int(0, minimum=0)
+    allow_spinning: int = _one_of(1, 0, 1)  # 0 gives the CPU back between runs, at some latency
+
+
+@dataclass(frozen=True)
+class ReferenceOptions(_Options):
+    section = "reference"
+
+
+@dataclass(frozen=True)
+class LlamaCppOptions(_Options):
+    section = "llamacpp"
+    n_ctx: int = _int(32768, minimum=1)  # KV cells in all, split evenly over the slots
+    n_slots: int = _int(8, minimum=1)
+    context_length: int = _int(4096, minimum=1)
+    n_threads: int = _int(2, minimum=1)
+    max_step_tokens: int = _int(512, minimum=1)
+    max_waiting: int = _int(256, minimum=1)  # 0 would refuse every request
+    draft_model: str = _model_name()
+    draft_path: str = _internal_path()  # the engine resolves draft_model to it
+
+    def _check(self) -> None:
+        # each slot gets n_ctx // n_slots cells; zero would leave no room for a token
+        if self.n_ctx < self.n_slots:
+            raise OptionError("llamacpp.n_ctx", self.n_ctx, f"at least n_slots ({self.n_slots})")
+
+
+@dataclass(frozen=True)
+class TorchOptions(_Options):
+    section = "torch"
+    block_size: int = _int(16, minimum=1)
+    num_blocks: int = _int(1024, minimum=1)
+    context_length: int = _int(2048, minimum=1)
+    max_running: int = _int(16, minimum=1)
+    max_step_tokens: int = _int(512, minimum=1)
+    max_waiting: int = _int(256, minimum=1)  # 0 would refuse every request
+    dtype: str = _one_of("float32", "float32", "bfloat16", "float16")
+    threads: int = _int(0, minimum=0)  # 0: torch's default, one per core
+    device: str = _device("auto")
+    compile: bool = _one_of(True, True, False)
+    draft_model: str = _model_name()
+    draft_path: str = _internal_path()  # the engine resolves draft_model to it
+
+
+OPTIONS_BY_BACKEND: dict[str, type[_Options]] = {
+    cls.section: cls for cls in (OnnxOptions, ReferenceOptions, LlamaCppOptions, TorchOptions)
+}
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Every backend's options for one model; a backend without a table in
+    model.toml gets its defaults."""
+
+    onnx: OnnxOptions = OnnxOptions()
+    reference: ReferenceOptions = ReferenceOptions()
+    llamacpp: LlamaCppOptions = LlamaCppOptions()
+    torch: TorchOptions = TorchOptions()
+
+
+def parse_options(model: str, section: str, raw: dict[str, Any]) -> _Options:
+    """One backend's table from a model config, checked; errors name the model."""
+    cls = OPTIONS_BY_BACKEND[section]
+    specs = {f.name: f.metadata["spec"] for f in fields(cls)}  # type: ignore[arg-type]
+    public = sorted(name for name, spec in specs.items() if not spec.internal)
+    for key in raw:
+        if key not in specs:
+            known = f"known keys: {', '.join(public)}" if public else f"the {section} backend takes no options"
+            raise InvalidArgument(f"model {model!r}: unknown config key {section}.{key}; {known}")
+        if specs[key].internal:
+            raise InvalidArgument(
+                f"model {model!r}: config key {section}.{key} is set by the daemon; name the draft with draft_model"
+            )
+    if raw.get("draft_model") == model:
+        raise InvalidArgument(f"model {model!r}: config key {section}.draft_model must name another model, not itself")
+    try:
+        return cls(**raw)
+    except OptionError as exc:
+        raise InvalidArgument(f"model {model!r}: config key {exc.key} must be {exc.want}, got {exc.value!r}") from None
+
+
+def parse_backend_options(model: str, tables: dict[str, dict[str, Any]]) -> BackendOptions:
+    return BackendOptions(**{section: parse_options(model, section, raw) for section, raw in tables.items()})

@@ -1,0 +1,170 @@
+"""The generation loop over both schedulers with a numpy stand-in for a
+model: every token is followed by (token + 1) % VOCAB. Shared steps, draft
+speculation, cancellation releasing the draft's state, and failures that
+carry their own status."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from modeld.backends.errors import ErrorKind
+from modeld.backends.generation.draft import DraftModel
+from modeld.backends.generation.executor import StepExecutor
+from modeld.backends.generation.loop import GenerationLoop
+from modeld.backends.generation.paged_scheduler import PagedConfig, PagedScheduler
+from modeld.backends.generation.params import (
+    FinalEvent, FinishReason, GenerateRequest, SamplingParams, SpeculativeMode,
+)
+from modeld.backends.generation.scheduler import Scheduler, SchedulerConfig
+
+VOCAB = 32
+
+
+def _next(token: int) -> int:
+    return (token + 1) % VOCAB
+
+
+class CountingRunner(StepExecutor):
+    vocab_size = VOCAB
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.fail = fail
+        self.plans = []
+
+    def run(self, plan):
+        self.plans.append(plan)
+        if self.fail is not None:
+            raise self.fail
+        rows = [t for w in plan.work for t in w.token_ids[len(w.token_ids) - w.num_logits:]]
+        logits = np.zeros((len(rows), VOCAB), dtype=np.float32)
+        logits[np.arange(len(rows)), [_next(t) for t in rows]] = 10.0
+        return logits
+
+    def tokenize(self, text, add_special=True):
+        return [ord(c) % VOCAB for c in text]
+
+    def token_bytes(self, token_id):
+        return bytes([ord("a") + token_id % 26])
+
+    def is_end_of_generation(self, token_id):
+        return False
+
+    def apply_chat_template(self, messages):
+        raise NotImplementedError
+
+
+class CountingDraft(DraftModel):
+    """Proposes what the runner will confirm; remembers what it released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released: list[int] = []
+
+    def _prepare(self, seq, num_valid, num_positions, fresh):
+        return True
+
+    def _decode(self, feeds):
+        return [_next(tokens[-1]) for _, _, tokens in feeds]
+
+    def _forget(self, seq):
+        self.released.append(seq.seq_id)
+
+
+def _schedulers():
+    return {
+        "slots": Scheduler(SchedulerConfig(num_slots=4, kv_capacity=1024, context_length=256)),
+        "paged": PagedScheduler(PagedConfig(num_blocks=64, block_size=4, context_length=256)),
+    }
+
+
+def _request(prompt: str, **params) -> GenerateRequest:
+    return GenerateRequest("m", token_ids=tuple(ord(c) % VOCAB for c in prompt),
+                           params=SamplingParams(**{"max_tokens": 8, **params}))
+
+
+async def _collect(loop: GenerationLoop, request: GenerateRequest):
+    tokens = []
+    async for event in loop.generate(request):
+        if isinstance(event, FinalEvent):
+            return tokens, event
+        tokens.extend(event.token_ids)
+
+
+def _expected(request: GenerateRequest) -> list[int]:
+    out, token = [], request.token_ids[-1]
+    for _ in range(request.params.max_tokens):
+        token = _next(token)
+        out.append(token)
+    return out
+
+
+def _serve(loop: GenerationLoop, body):
+    async def main():
+        loop.start()
+        try:
+            return await body()
+        finally:
+            await loop.stop()
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["slots", "paged"])
+def test_concurrent_requests_share_steps_and_get_their_own_tokens(kind):
+    loop = GenerationLoop(runner=CountingRunner(), scheduler=_schedulers()[kind])
+    requests = [_request("hello", max_tokens=6), _request("abc", max_tokens=9), _request("xyzzy", max_tokens=3)]
+
+    async def body():
+        return await asyncio.gather(*(_collect(loop, r) for r in requests))
+    for request, (tokens, final) in zip(requests, _serve(loop, body)):
+        assert tokens == _expected(request)
+        assert final.finish_reason is FinishReason.LENGTH and final.usage.completion_tokens == len(tokens)
+    counts = loop.step_counts
+    assert counts.shared_steps > 0 and counts.most_sequences == 3
+    assert counts.steps == sum(1 for p in loop.runner.plans if p.work)  # runs with only KV operations do not count
+
+
+@pytest.mark.parametrize("kind", ["slots", "paged"])
+@pytest.mark.parametrize("mode", [SpeculativeMode.DRAFT, SpeculativeMode.NGRAM])
+def test_speculation_gives_the_plain_tokens(kind, mode):
+    loop = GenerationLoop(runner=CountingRunner(), scheduler=_schedulers()[kind], draft=CountingDraft())
+    # the prompt repeats its start, so the n-gram proposer finds what follows
+    request = _request("abcdefghijklmnopqrstuvwxyzabcdefgh", max_tokens=12, speculative=mode,
+                       num_speculative_tokens=3)
+    tokens, final = _serve(loop, lambda: _collect(loop, request))
+    assert tokens == _expected(request)
+    assert 0 < final.usage.accepted_tokens <= final.usage.drafted_tokens
+    assert loop.draft.computed == {}  # released at the end
+
+
+@pytest.mark.parametrize("kind", ["slots", "paged"])
+def test_cancelling_a_draft_stream_releases_the_draft_state(kind):
+    draft = CountingDraft()
+    scheduler = _schedulers()[kind]
+    loop = GenerationLoop(runner=CountingRunner(), scheduler=scheduler, draft=draft)
+
+    async def body():
+        request = _request("hello", max_tokens=200, speculative=SpeculativeMode.DRAFT, num_speculative_tokens=2)
+        stream = loop.generate(request)
+        await stream.__anext__()
+        await stream.__anext__()
+        assert draft.computed  # the draft holds state for the running sequence
+        await stream.aclose()  # the client went away
+        for _ in range(100):
+            if not scheduler.has_work():
+                break
+            await asyncio.sleep(0.01)
+    _serve(loop, body)
+    assert not scheduler.running and len(draft.released) == 1 and draft.computed == {}
+
+
+@pytest.mark.parametrize("kind", ["slots", "paged"])
+def test_a_runtime_fault_finishes_the_sequences_as_unavailable(kind):
+    loop = GenerationLoop(runner=CountingRunner(fail=RuntimeError("device lost")), scheduler=_schedulers()[kind])
+    tokens, final = _serve(loop, lambda: _collect(loop, _request("hello")))
+    assert tokens == [] and final.finish_reason is FinishReason.ERROR
+    assert final.error_kind is ErrorKind.UNAVAILABLE
+    assert "running the model" in final.error and "device lost" in final.error
+    assert not loop.scheduler.has_work()
