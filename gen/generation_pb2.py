@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _modeld_pool.POOL.AddSerializedFile(b'\n\x10generation.proto\x12\tmodeld.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.modeld.v1.ChatMessage\"\xe7\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x15\n\x08logprobs\x18\t \x01(\rH\x06\x88\x01\x01\x12\x19\n\x0c\x63\x61\x63he_prompt\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0b \x01(\x08H\x08\x88\x01\x01\x12/\n\x0bspeculative\x18\x0c \x01(\x0e\x32\x1a.modeld.v1.SpeculativeMode\x12#\n\x16num_speculative_tokens\x18\r \x01(\rH\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x0f\n\r_cache_promptB\r\n\x0b_ignore_eosB\x19\n\x17_num_speculative_tokens\"\xbf\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.modeld.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x04 \x01(\x0b\x32\x17.modeld.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.modeld.v1.SamplingParamsB\x07\n\x05input\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\":\n\x0bTopLogprobs\x12+\n\ncandidates\x18\x01 \x03(\x0b\x32\x17.modeld.v1.TokenLogprob\"\xa7\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x06 \x01(\x01\"\xec\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.modeld.v1.TokenLogprob\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.modeld.v1.TopLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.modeld.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.modeld.v1.Usage\x12\r\n\x05\x65rror\x18\x07 \x01(\t\".\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t*U\n\x0fSpeculativeMode\x12\x14\n\x10SPECULATIVE_NONE\x10\x00\x12\x15\n\x11SPECULATIVE_NGRAM\x10\x01\x12\x15\n\x11SPECULATIVE_DRAFT\x10\x02*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xe3\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.modeld.v1.GenerateRequest\x1a\x1b.modeld.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.modeld.v1.TokenizeRequest\x1a\x1b.modeld.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.modeld.v1.DetokenizeRequest\x1a\x1d.modeld.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _modeld_pool.POOL.AddSerializedFile(b'\n\x10generation.proto\x12\tmodeld.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.modeld.v1.ChatMessage\"\xe7\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x15\n\x08logprobs\x18\t \x01(\rH\x06\x88\x01\x01\x12\x19\n\x0c\x63\x61\x63he_prompt\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0b \x01(\x08H\x08\x88\x01\x01\x12/\n\x0bspeculative\x18\x0c \x01(\x0e\x32\x1a.modeld.v1.SpeculativeMode\x12#\n\x16num_speculative_tokens\x18\r \x01(\rH\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x0f\n\r_cache_promptB\r\n\x0b_ignore_eosB\x19\n\x17_num_speculative_tokens\"\xd1\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.modeld.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x04 \x01(\x0b\x32\x17.modeld.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.modeld.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\rB\x07\n\x05input\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\":\n\x0bTopLogprobs\x12+\n\ncandidates\x18\x01 \x03(\x0b\x32\x17.modeld.v1.TokenLogprob\"\xa7\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x06 \x01(\x01\"\xec\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.modeld.v1.TokenLogprob\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.modeld.v1.TopLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.modeld.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.modeld.v1.Usage\x12\r\n\x05\x65rror\x18\x07 \x01(\t\".\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t*U\n\x0fSpeculativeMode\x12\x14\n\x10SPECULATIVE_NONE\x10\x00\x12\x15\n\x11SPECULATIVE_NGRAM\x10\x01\x12\x15\n\x11SPECULATIVE_DRAFT\x10\x02*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xe3\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.modeld.v1.GenerateRequest\x1a\x1b.modeld.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.modeld.v1.TokenizeRequest\x1a\x1b.modeld.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.modeld.v1.DetokenizeRequest\x1a\x1d.modeld.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPECULATIVEMODE']._serialized_start=1542
-  _globals['_SPECULATIVEMODE']._serialized_end=1627
-  _globals['_FINISHREASON']._serialized_start=1630
-  _globals['_FINISHREASON']._serialized_end=1779
+  _globals['_SPECULATIVEMODE']._serialized_start=1560
+  _globals['_SPECULATIVEMODE']._serialized_end=1645
+  _globals['_FINISHREASON']._serialized_start=1648
+  _globals['_FINISHREASON']._serialized_end=1797
   _globals['_CHATMESSAGE']._serialized_start=31
   _globals['_CHATMESSAGE']._serialized_end=75
   _globals['_TOKENIDS']._serialized_start=77
@@ -45,23 +45,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=161
   _globals['_SAMPLINGPARAMS']._serialized_end=648
   _globals['_GENERATEREQUEST']._serialized_start=651
-  _globals['_GENERATEREQUEST']._serialized_end=842
-  _globals['_TOKENLOGPROB']._serialized_start=844
-  _globals['_TOKENLOGPROB']._serialized_end=893
-  _globals['_TOPLOGPROBS']._serialized_start=895
-  _globals['_TOPLOGPROBS']._serialized_end=953
-  _globals['_USAGE']._serialized_start=956
-  _globals['_USAGE']._serialized_end=1123
-  _globals['_GENERATERESPONSE']._serialized_start=1126
-  _globals['_GENERATERESPONSE']._serialized_end=1362
-  _globals['_TOKENIZEREQUEST']._serialized_start=1364
-  _globals['_TOKENIZEREQUEST']._serialized_end=1410
-  _globals['_TOKENIZERESPONSE']._serialized_start=1412
-  _globals['_TOKENIZERESPONSE']._serialized_end=1449
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1451
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1504
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1506
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1540
-  _globals['_GENERATION']._serialized_start=1782
-  _globals['_GENERATION']._serialized_end=2009
+  _globals['_GENERATEREQUEST']._serialized_end=860
+  _globals['_TOKENLOGPROB']._serialized_start=862
+  _globals['_TOKENLOGPROB']._serialized_end=911
+  _globals['_TOPLOGPROBS']._serialized_start=913
+  _globals['_TOPLOGPROBS']._serialized_end=971
+  _globals['_USAGE']._serialized_start=974
+  _globals['_USAGE']._serialized_end=1141
+  _globals['_GENERATERESPONSE']._serialized_start=1144
+  _globals['_GENERATERESPONSE']._serialized_end=1380
+  _globals['_TOKENIZEREQUEST']._serialized_start=1382
+  _globals['_TOKENIZEREQUEST']._serialized_end=1428
+  _globals['_TOKENIZERESPONSE']._serialized_start=1430
+  _globals['_TOKENIZERESPONSE']._serialized_end=1467
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1469
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1522
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1524
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1558
+  _globals['_GENERATION']._serialized_start=1800
+  _globals['_GENERATION']._serialized_end=2027
 # @@protoc_insertion_point(module_scope)

@@ -4,15 +4,19 @@ Requests whose inputs agree in names, datatypes and every dimension but the
 first are concatenated along dimension 0 (up to `max_batch_size` rows), run
 as one backend call, and split back. While one batch runs, the next one
 forms, so a busy model batches without any added delay; `max_queue_delay_us`
-lets an idle model wait a little for company. A request whose client has gone
-is dropped before it runs.
+lets an idle model wait a little for company, counted from the oldest request
+in the forming batch. A batch of a preferred size runs as soon as it can be
+formed (the largest such); otherwise the batcher waits out the delay and runs
+the largest batch it has. More urgent requests (Triton's priority levels) are
+taken first. A request whose client has gone is dropped before it runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -23,10 +27,14 @@ import numpy as np
 import structlog
 
 from modeld.backends.errors import InvalidArgument, ModeldError, ResourceExhausted, Unavailable
+from modeld.backends.generation.params import queue_rank
 
 log = structlog.get_logger("modeld.batcher")
 
 Execute = Callable[[dict[str, np.ndarray], tuple[str, ...]], dict[str, np.ndarray]]
+
+
+_arrivals = itertools.count()
 
 
 @dataclass(eq=False)  # identity: queue removal must not compare numpy inputs
@@ -34,7 +42,14 @@ class _Pending:
     inputs: dict[str, np.ndarray]
     output_names: tuple[str, ...]
     future: asyncio.Future
+    priority: int = 0
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Queue position: most urgent level first, then first come."""
+        return queue_rank(self.priority), self.arrival
 
     @property
     def num_rows(self) -> int:
@@ -59,13 +74,15 @@ class BatchReport:
 
 class DynamicBatcher:
     def __init__(self, execute: Execute, max_batch_size: int, max_queue_delay_us: int = 0,
-                 max_queue_size: int = 1024, on_batch: Callable[[BatchReport], None] | None = None) -> None:
+                 max_queue_size: int = 1024, on_batch: Callable[[BatchReport], None] | None = None,
+                 preferred_batch_sizes: tuple[int, ...] = ()) -> None:
         self._execute = execute
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_us / 1e6
         self.max_queue_size = max_queue_size
+        self.preferred_batch_sizes = frozenset(preferred_batch_sizes)
         self._on_batch = on_batch
-        self._queue: deque[_Pending] = deque()
+        self._queue: list[_Pending] = []  # kept in `order`
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
@@ -89,7 +106,8 @@ class DynamicBatcher:
             await self._task
         self._executor.shutdown(wait=False)
 
-    async def submit(self, inputs: dict[str, np.ndarray], output_names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    async def submit(self, inputs: dict[str, np.ndarray], output_names: tuple[str, ...],
+                     priority: int = 0) -> dict[str, np.ndarray]:
         if self._stopping or (self._task is not None and self._task.done()):
             raise Unavailable("the model is being unloaded; retry and it will be loaded again")
         if not inputs:
@@ -98,7 +116,7 @@ class DynamicBatcher:
             raise ResourceExhausted(
                 f"the model's queue is full ({self.max_queue_size} requests waiting); retry later"
             )
-        pending = _Pending(inputs, output_names, asyncio.get_running_loop().create_future())
+        pending = _Pending(inputs, output_names, asyncio.get_running_loop().create_future(), priority)
         if self.max_batch_size and pending.num_rows > self.max_batch_size:
             raise InvalidArgument(
                 f"batch of {pending.num_rows} exceeds the model's max_batch_size {self.max_batch_size}"
@@ -114,9 +132,12 @@ class DynamicBatcher:
                 self._busy = False
                 self._wakeup.set()
             return pending.future.result()
-        self._queue.append(pending)
+        self._enqueue(pending)
         self._wakeup.set()
         return await pending.future
+
+    def _enqueue(self, pending: _Pending) -> None:
+        bisect.insort(self._queue, pending, key=lambda p: p.order)
 
     async def _loop(self) -> None:
         while True:
@@ -135,27 +156,45 @@ class DynamicBatcher:
                     self._busy = False
 
     async def _form_batch(self) -> list[_Pending]:
-        first = self._queue.popleft()
+        first = self._queue.pop(0)
         if first.future.done():  # cancelled by its client while waiting
             return []
         batch, rows = [first], first.num_rows
         if not self.max_batch_size:
             return batch
-        deadline = time.monotonic() + self.max_queue_delay_s
         key = first.merge_key
-        while rows < self.max_batch_size:
-            taken = self._take_compatible(key, self.max_batch_size - rows)
-            if taken is not None:
+        while True:
+            while rows < self.max_batch_size:
+                taken = self._take_compatible(key, self.max_batch_size - rows)
+                if taken is None:
+                    break
                 batch.append(taken)
                 rows += taken.num_rows
-                continue
-            remaining = deadline - time.monotonic()
+            cut = self._preferred_cut(batch)
+            if cut:
+                for item in batch[cut:]:
+                    self._enqueue(item)  # back in their places, for the next batch
+                return batch[:cut]
+            if rows >= self.max_batch_size:
+                return batch
+            # Triton's delay: counted from the oldest request in the batch,
+            # so a request never waits longer than max_queue_delay_us for company
+            oldest_ns = min(item.enqueued_ns for item in batch)
+            remaining = oldest_ns / 1e9 + self.max_queue_delay_s - time.perf_counter()
             if remaining <= 0 or self._stopping:
-                break
+                return batch
             self._wakeup.clear()
             with anyio.move_on_after(remaining):
                 await self._wakeup.wait()
-        return batch
+
+    def _preferred_cut(self, batch: list[_Pending]) -> int:
+        """How many requests make the largest preferred batch, 0 if none can."""
+        cut, rows = 0, 0
+        for index, item in enumerate(batch, 1):
+            rows += item.num_rows
+            if rows in self.preferred_batch_sizes:
+                cut = index
+        return cut
 
     def _take_compatible(self, key: tuple, room: int) -> _Pending | None:
         for item in list(self._queue):

@@ -8,6 +8,7 @@ backend work runs in worker threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -18,17 +19,21 @@ import numpy as np
 import structlog
 
 from modeld.backends.base import Backend, Capability, GenerativeModel, LoadedModel
-from modeld.backends.generation.params import FinalEvent, GenerateRequest, SpeculativeMode, TokenEvent
+from modeld.backends.generation.params import (
+    FinalEvent, GenerateRequest, SamplingParams, SpeculativeMode, TokenEvent,
+)
 from modeld.backends.errors import (
-    BackendFailure, InvalidArgument, LoadFailed, ModeldError, NotFound, ResourceExhausted, Unavailable, Unimplemented,
+    BackendFailure, DeadlineExceeded, ErrorKind, InvalidArgument, LoadFailed, ModeldError, NotFound, ResourceExhausted,
+    Unavailable, Unimplemented, error_for,
 )
 from modeld.backends.model_config import ModelConfig
 from modeld.backends.registry import BackendRegistry
 from modeld.server.batcher import BatchReport, DynamicBatcher
-from modeld.server.memory import MemoryManager
+from modeld.server.memory import MemoryManager, ModelKey
 from modeld.server.metrics import GenerationMetrics, Metrics
 from modeld.server.os_memory import release_freed_memory
 from modeld.server.repository import ModelRepository, ModelSource
+from modeld.server.request_context import current_protocol
 from modeld.server.requests import InferRequest, InferResult, ModelState, ModelStatus
 from modeld.server.stats import ModelStats
 from modeld.server.validation import validate_inputs, warmup_inputs
@@ -52,14 +57,15 @@ class ServedModel:
     loaded: LoadedModel
     batcher: DynamicBatcher | None  # None for language models, which batch themselves
     stats: ModelStats = field(default_factory=ModelStats)
+    warmed_up: bool = False
 
     @property
     def is_generative(self) -> bool:
         return isinstance(self.loaded, GenerativeModel)
 
     @property
-    def key(self) -> str:
-        return f"{self.backend.name}/{self.config.name}"
+    def key(self) -> ModelKey:
+        return ModelKey(self.backend.name, self.config.name)
 
 
 StateListener = Callable[[str, ModelState], None]
@@ -119,6 +125,12 @@ class Engine:
 
     def stats(self, name: str) -> ModelStats:
         return self._stats.setdefault(name, ModelStats())
+
+    def count_failure(self, model: str, kind: ErrorKind) -> None:
+        """One failed call, by model, status and protocol, whatever front it came in by."""
+        if model and model not in self._served and model not in self.repository.names():
+            model = ""  # names clients made up would grow the series without bound
+        self.metrics.failures.labels(model, kind.value, current_protocol()).inc()
 
     def check_version(self, name: str, version: str) -> None:
         if version not in ("", MODEL_VERSION):
@@ -181,21 +193,23 @@ class Engine:
     def _resolve_draft(self, source: ModelSource) -> ModelSource:
         """Turn `draft_model = "<name>"` under a backend's table into the
         draft's file path, which the backend loads next to the target."""
-        backend_options = dict(source.config.backend_options)
-        for section, options in source.config.backend_options.items():
-            draft_name = options.get("draft_model")
+        # the config parser already refused a malformed name or the model itself
+        resolved = {}
+        for section in dataclasses.fields(source.config.backend_options):
+            options = getattr(source.config.backend_options, section.name)
+            draft_name = getattr(options, "draft_model", "")
             if not draft_name:
                 continue
-            if not isinstance(draft_name, str) or draft_name == source.config.name:
-                raise InvalidArgument(f"model {source.config.name!r}: draft_model must name another model")
             draft = self.repository.resolve(draft_name)
             path = (draft.model_dir / draft.config.artifact_path).resolve()
-            backend_options[section] = {**options, "draft_path": str(path)}
+            resolved[section.name] = dataclasses.replace(options, draft_path=str(path))
+        backend_options = dataclasses.replace(source.config.backend_options, **resolved)
         return dataclasses.replace(source, config=dataclasses.replace(source.config, backend_options=backend_options))
 
-    async def _load_on(self, backend: Backend, source: ModelSource, exclude: frozenset[str] = frozenset()) -> ServedModel:
+    async def _load_on(self, backend: Backend, source: ModelSource,
+                       exclude: frozenset[ModelKey] = frozenset()) -> ServedModel:
         config = source.config
-        key = f"{backend.name}/{config.name}"
+        key = ModelKey(backend.name, config.name)
         estimate = backend.estimate_bytes(config, source.model_dir)
         async with self._memory_lock:
             for victim in self.memory.plan(estimate, exclude):
@@ -217,18 +231,20 @@ class Engine:
         self.metrics.loaded_bytes.labels(config.name, backend.name).set(loaded.nbytes)
         self.metrics.used_bytes.set(self.memory.used)
         if served.is_generative:
-            loaded.set_observer(GenerationMetrics(self.metrics, config.name, backend.name))
             await loaded.start()
         else:
             served.batcher.start()
-        if config.warmup and not served.is_generative:
+        if config.warmup:
             await self._warm_up(served)
+        if served.is_generative:
+            # after warm-up, so the dummy sequence is not counted as traffic
+            loaded.set_observer(GenerationMetrics(self.metrics, config.name, backend.name))
         self._served[config.name] = served
         log.info("model_loaded", model=config.name, backend=backend.name, nbytes=loaded.nbytes, estimate=estimate)
         self._notify(config.name, ModelState.READY)
         return served
 
-    async def _settle_measured_size(self, key: str, nbytes: int, exclude: frozenset[str]) -> None:
+    async def _settle_measured_size(self, key: ModelKey, nbytes: int, exclude: frozenset[ModelKey]) -> None:
         """Swap the estimate for the backend's figure, evicting more if needed."""
         async with self._memory_lock:
             self.memory.resize(key, nbytes)
@@ -247,24 +263,40 @@ class Engine:
         if isinstance(loaded, GenerativeModel):
             return ServedModel(config, source, backend, loaded, None, stats)
         name, backend_name = config.name, backend.name
+        served = ServedModel(config, source, backend, loaded, None, stats)
 
         def on_batch(report: BatchReport) -> None:
+            if not served.warmed_up and config.warmup:
+                return  # the warm-up batch is not traffic
             stats.record_batch(report)
             self.metrics.batch_size.labels(name, backend_name).observe(report.batch_size)
             for queue_ns in report.queue_ns:
                 self.metrics.queue_latency.labels(name).observe(queue_ns / 1e9)
 
-        batcher = DynamicBatcher(loaded.execute, config.max_batch_size, config.max_queue_delay_us,
-                                 config.max_queue_size, on_batch)
-        return ServedModel(config, source, backend, loaded, batcher, stats)
+        served.batcher = DynamicBatcher(loaded.execute, config.max_batch_size, config.max_queue_delay_us,
+                                        config.max_queue_size, on_batch, config.preferred_batch_sizes)
+        return served
 
     async def _warm_up(self, served: ServedModel) -> None:
-        inputs = warmup_inputs(served.loaded.inputs, served.config.is_batched)
+        """One dummy request before the model reports ready, straight to the
+        batcher or the generation loop, so ModelStatistics never counts it."""
         try:
-            await served.batcher.submit(inputs, ())
+            if served.is_generative:
+                await self._warm_up_generation(served)
+            else:
+                await served.batcher.submit(warmup_inputs(served.loaded.inputs, served.config.is_batched), ())
         except ModeldError as exc:
             await self._drop(served)
             raise LoadFailed(f"warm-up request failed: {exc}") from exc
+        served.warmed_up = True
+
+    async def _warm_up_generation(self, served: ServedModel) -> None:
+        # cache_prompt off: a warm-up must not leave a cached prefix behind
+        request = GenerateRequest(served.config.name, prompt="warm-up",
+                                  params=SamplingParams(max_tokens=1, cache_prompt=False))
+        async for event in served.loaded.generate(request):
+            if isinstance(event, FinalEvent) and event.error:
+                raise error_for(event.error_kind, event.error)
 
     # -- unloading -----------------------------------------------------------
 
@@ -304,11 +336,11 @@ class Engine:
         self.metrics.used_bytes.set(self.memory.used)
         log.info("model_unloaded", model=served.config.name, backend=served.backend.name)
 
-    async def _evict(self, key: str) -> None:
-        name = key.split("/", 1)[1]
+    async def _evict(self, key: ModelKey) -> None:
+        name = key.model
         served = self._served.get(name)
-        log.info("model_evicted", model=name, key=key)
-        if served is None:
+        log.info("model_evicted", model=name, backend=key.backend)
+        if served is None or served.backend.name != key.backend:
             self.memory.remove(key)
             return
         self.metrics.evictions.labels(name, served.backend.name).inc()
@@ -336,15 +368,19 @@ class Engine:
         served = await self.ensure_loaded(request.model_name, request.model_version)
         started = time.perf_counter_ns()
         try:
-            served, outputs = await self._infer_on(served, request)
+            async with _deadline(request.timeout_s):
+                served, outputs = await self._infer_on(served, request)
         except ModeldError:
             served.stats.record_failure(time.perf_counter_ns() - started)
             raise
-        elapsed = time.perf_counter_ns() - started
-        served.stats.record_success(elapsed)
-        self.metrics.requests.labels(request.model_name, served.backend.name).inc()
-        self.metrics.request_latency.labels(request.model_name, served.backend.name).observe(elapsed / 1e9)
+        self._count_success(served, time.perf_counter_ns() - started)
         return InferResult(request.model_name, MODEL_VERSION, request.id, outputs, served.backend.name)
+
+    def _count_success(self, served: ServedModel, elapsed_ns: int) -> None:
+        served.stats.record_success(elapsed_ns)
+        labels = (served.config.name, served.backend.name, current_protocol())
+        self.metrics.requests.labels(*labels).inc()
+        self.metrics.request_latency.labels(*labels).observe(elapsed_ns / 1e9)
 
     async def _infer_on(self, served: ServedModel, request: InferRequest) -> tuple[ServedModel, dict[str, np.ndarray]]:
         """Run on `served`, or on the backend it falls back to; says which."""
@@ -354,7 +390,7 @@ class Engine:
         validate_inputs(request, served.loaded.inputs, served.loaded.outputs, served.config)
         self.memory.acquire(served.key)
         try:
-            return served, await served.batcher.submit(request.inputs, request.output_names)
+            return served, await served.batcher.submit(request.inputs, request.output_names, request.priority)
         except BackendFailure as exc:
             fallback = await self._fall_back(served, exc)
             return await self._infer_on(fallback, request)
@@ -370,19 +406,36 @@ class Engine:
             raise Unimplemented(_capability_message(served, missing or frozenset({Capability.GENERATION})))
         return served
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinalEvent]:
-        """Stream a language model's tokens; leaving early cancels the sequence."""
+    async def generate(self, request: GenerateRequest,
+                       timeout_s: float | None = None) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """Stream a language model's tokens; leaving early cancels the sequence.
+
+        A generation that fails inside the model ends with a FinalEvent that
+        carries the error, then raises it with its own kind, so callers that
+        stream can still send what came before.
+        """
         served = await self.generative(request.model_name, _generation_capabilities(request))
         self.memory.acquire(served.key)
         started = time.perf_counter_ns()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        events = served.loaded.generate(request)
         try:
-            async for event in served.loaded.generate(request):
+            while True:
+                try:
+                    event = await _next_event(events, deadline, timeout_s)
+                except StopAsyncIteration:
+                    break
                 yield event
-            served.stats.record_success(time.perf_counter_ns() - started)
+                if isinstance(event, FinalEvent) and event.error:
+                    log.warning("generation_failed", model=request.model_name, request_id=request.request_id,
+                                reason=event.error)
+                    raise error_for(event.error_kind, event.error)
+            self._count_success(served, time.perf_counter_ns() - started)
         except ModeldError:
             served.stats.record_failure(time.perf_counter_ns() - started)
             raise
         finally:
+            await events.aclose()  # a consumer that left cancels its sequence now
             self.memory.release(served.key)
 
     async def tokenize(self, name: str, text: str) -> list[int]:
@@ -411,6 +464,32 @@ class Engine:
             asyncio.get_running_loop().create_task(self._drop(failed))
             return served
         raise Unavailable(f"model {name!r} failed on backend {failed.backend.name} and no other backend can serve it: {exc}")
+
+
+@contextlib.asynccontextmanager
+async def _deadline(timeout_s: float | None):
+    """The request's own timeout (KServe's `timeout` parameter): work not
+    done by then is cancelled, queued requests leave the queue, and running
+    sequences leave the batch at the next step."""
+    if timeout_s is None:
+        yield
+        return
+    try:
+        async with asyncio.timeout(timeout_s):
+            yield
+    except TimeoutError:
+        raise DeadlineExceeded(f"the request's timeout of {timeout_s:g} s passed before it finished") from None
+
+
+async def _next_event(events: AsyncIterator, deadline: float | None, timeout_s: float | None):
+    # The timeout covers only the wait for the model, never the caller's own
+    # work between events: a stream is consumed across many awaits.
+    if deadline is None:
+        return await events.__anext__()
+    try:
+        return await asyncio.wait_for(events.__anext__(), max(deadline - time.monotonic(), 0.0))
+    except TimeoutError:
+        raise DeadlineExceeded(f"the request's timeout of {timeout_s:g} s passed before it finished") from None
 
 
 def _generation_capabilities(request: GenerateRequest) -> frozenset[Capability]:

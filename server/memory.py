@@ -1,7 +1,7 @@
 """One memory budget and one LRU over every loaded model of every backend.
 
 Pure bookkeeping, no I/O: the engine asks `plan` which models to evict for a
-load, unloads them, then `add`s the new one. Keys are "backend/model".
+load, unloads them, then `add`s the new one. Keys are ModelKey values.
 Invariants: the sum of `nbytes` never passes the budget; a pinned entry or
 one with requests in flight is never chosen for eviction.
 """
@@ -15,9 +15,20 @@ from modeld.backends.errors import ResourceExhausted
 from modeld.backends.sizes import format_size
 
 
+@dataclass(frozen=True)
+class ModelKey:
+    """One (backend, model) pair: the unit the budget accounts for."""
+
+    backend: str
+    model: str
+
+    def __str__(self) -> str:
+        return f"{self.backend}/{self.model}"
+
+
 @dataclass
 class MemoryEntry:
-    key: str
+    key: ModelKey
     nbytes: int
     is_pinned: bool = False
     num_in_flight: int = 0
@@ -31,7 +42,7 @@ class MemoryManager:
     def __init__(self, budget: int) -> None:
         self.budget = budget
         # least recently used first
-        self._entries: OrderedDict[str, MemoryEntry] = OrderedDict()
+        self._entries: OrderedDict[ModelKey, MemoryEntry] = OrderedDict()
 
     @property
     def used(self) -> int:
@@ -41,23 +52,23 @@ class MemoryManager:
     def free(self) -> int:
         return self.budget - self.used
 
-    def __contains__(self, key: str) -> bool:
+    def __contains__(self, key: ModelKey) -> bool:
         return key in self._entries
 
-    def keys_lru_first(self) -> list[str]:
+    def keys_lru_first(self) -> list[ModelKey]:
         return list(self._entries)
 
-    def entry(self, key: str) -> MemoryEntry:
+    def entry(self, key: ModelKey) -> MemoryEntry:
         return self._entries[key]
 
-    def plan(self, nbytes: int, exclude: frozenset[str] = frozenset()) -> list[str]:
+    def plan(self, nbytes: int, exclude: frozenset[ModelKey] = frozenset()) -> list[ModelKey]:
         """Keys to evict, least recently used first, so that `nbytes` fits.
 
         Raises ResourceExhausted, changing nothing, when even evicting every
         idle unpinned model would not make room.
         """
         need = nbytes - self.free
-        victims: list[str] = []
+        victims: list[ModelKey] = []
         for key, entry in self._entries.items():
             if need <= 0:
                 break
@@ -70,7 +81,7 @@ class MemoryManager:
 
     def refusal(self, nbytes: int) -> str:
         """Why a load of nbytes cannot fit, and what to change."""
-        busy = [k for k, e in self._entries.items() if not e.is_evictable]
+        busy = [str(k) for k, e in self._entries.items() if not e.is_evictable]
         return (
             f"needs {format_size(nbytes)} but the memory budget is {format_size(self.budget)} "
             f"with {format_size(self.used)} in use"
@@ -78,31 +89,31 @@ class MemoryManager:
             + "; raise --memory-budget or unload a model"
         )
 
-    def add(self, key: str, nbytes: int, is_pinned: bool = False) -> None:
+    def add(self, key: ModelKey, nbytes: int, is_pinned: bool = False) -> None:
         if nbytes > self.free:
             raise ResourceExhausted(self.refusal(nbytes))
         self._entries[key] = MemoryEntry(key, nbytes, is_pinned)
 
-    def resize(self, key: str, nbytes: int) -> None:
+    def resize(self, key: ModelKey, nbytes: int) -> None:
         """Replace an estimate with the measured figure; may pass the budget.
 
         The caller checks `free` afterwards and evicts or refuses.
         """
         self._entries[key].nbytes = nbytes
 
-    def remove(self, key: str) -> None:
+    def remove(self, key: ModelKey) -> None:
         self._entries.pop(key, None)
 
-    def touch(self, key: str) -> None:
+    def touch(self, key: ModelKey) -> None:
         if key in self._entries:
             self._entries.move_to_end(key)
 
-    def acquire(self, key: str) -> None:
+    def acquire(self, key: ModelKey) -> None:
         """A request starts using the model: it becomes most recent and busy."""
         entry = self._entries[key]
         entry.num_in_flight += 1
         self._entries.move_to_end(key)
 
-    def release(self, key: str) -> None:
+    def release(self, key: ModelKey) -> None:
         if key in self._entries:
             self._entries[key].num_in_flight -= 1

@@ -12,9 +12,9 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("modeld_requests", "Inference requests", ["model", "backend"], registry=r)
-        self.failures = Counter("modeld_request_failures", "Failed requests by gRPC status", ["model", "status"], registry=r)
-        self.request_latency = Histogram("modeld_request_seconds", "Request latency inside the engine", ["model", "backend"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("modeld_requests", "Successful calls (tensor and language models)", ["model", "backend", "protocol"], registry=r)
+        self.failures = Counter("modeld_request_failures", "Failed calls by gRPC status", ["model", "status", "protocol"], registry=r)
+        self.request_latency = Histogram("modeld_request_seconds", "Request latency inside the engine", ["model", "backend", "protocol"], buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_latency = Histogram("modeld_queue_seconds", "Time a request waited for its batch", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("modeld_batch_size", "Rows per executed batch", ["model", "backend"], buckets=_BATCH_BUCKETS, registry=r)
         self.loaded_bytes = Gauge("modeld_loaded_bytes", "Bytes held by each loaded model", ["model", "backend"], registry=r)

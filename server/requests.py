@@ -20,7 +20,9 @@ class InferRequest:
     output_names: tuple[str, ...] = ()  # empty: every output
     parameters: dict[str, Any] = field(default_factory=dict)
     required: frozenset[Capability] = frozenset({Capability.TENSOR_INFERENCE})
-    request_id: str = ""  # the daemon's own id, for logs
+    request_id: str = ""  # the call's id (x-request-id), for logs
+    priority: int = 0  # Triton's levels: 1 first, larger later, 0 the default (after every level)
+    timeout_s: float | None = None  # KServe's `timeout` parameter
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,9 @@ _PARAMETER_CAPABILITIES = {
     "sequence_end": Capability.SEQUENCE_BATCHING,
     "shared_memory_region": Capability.SHARED_MEMORY,
 }
+# Request parameters a tensor model understands; anything else would be
+# silently ignored, so it is refused instead.
+TENSOR_PARAMETERS = ("priority", "timeout", "triton_enable_empty_final_response")
 
 
 def parameter_value(param) -> object:
@@ -55,6 +58,10 @@ def request_from_proto(msg: pb.ModelInferRequest, request_id: str = "") -> Infer
         inputs[tensor.name] = decode_tensor(tensor, raw)
     parameters = {key: parameter_value(value) for key, value in msg.parameters.items()}
     required |= {cap for key, cap in _PARAMETER_CAPABILITIES.items() if key in parameters}
+    unknown = sorted(set(parameters) - set(TENSOR_PARAMETERS) - set(_PARAMETER_CAPABILITIES))
+    if unknown:
+        raise InvalidArgument(f"unknown request parameter {unknown[0]!r} for a tensor model; "
+                              f"it understands {', '.join(TENSOR_PARAMETERS)}")
     outputs = []
     for out in msg.outputs:
         if "classification" in out.parameters:
@@ -64,8 +71,25 @@ def request_from_proto(msg: pb.ModelInferRequest, request_id: str = "") -> Infer
     return InferRequest(
         model_name=msg.model_name, model_version=msg.model_version, id=msg.id, inputs=inputs,
         output_names=tuple(outputs), parameters=parameters, required=frozenset(required),
-        request_id=request_id,
+        request_id=request_id, priority=priority_of(parameters), timeout_s=timeout_of(parameters),
     )
+
+
+def priority_of(parameters: dict) -> int:
+    """Triton's `priority` parameter: level 1 runs first, larger levels
+    later, 0 (or absent) is the default level, after every explicit one."""
+    value = parameters.get("priority", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgument(f"parameter priority must be a non-negative integer (1 is the most urgent), got {value!r}")
+    return value
+
+
+def timeout_of(parameters: dict) -> float | None:
+    """Triton's `timeout` parameter, in microseconds; 0 or absent: none."""
+    value = parameters.get("timeout", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgument(f"parameter timeout must be a non-negative integer of microseconds, got {value!r}")
+    return value / 1e6 if value else None
 
 
 def decode_tensor(tensor, raw: bytes | None) -> np.ndarray:

@@ -9,7 +9,8 @@ from modeld.gen import generation_pb2 as pb
 from modeld.gen import generation_pb2_grpc as pb_grpc
 from modeld.server.engine import Engine
 from modeld.server.lifecycle import Lifecycle
-from modeld.server.services.status import grpc_errors, new_request_id
+from modeld.backends.errors import InvalidArgument
+from modeld.server.services.status import current_request_id, grpc_errors
 
 _SPECULATIVE = {
     pb.SPECULATIVE_NONE: SpeculativeMode.NONE,
@@ -32,7 +33,11 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
             values[name] = getattr(msg, name)
     values["stop"] = tuple(msg.stop)
     values["stop_token_ids"] = tuple(msg.stop_token_ids)
-    values["speculative"] = _SPECULATIVE.get(msg.speculative, SpeculativeMode.NONE)
+    if msg.speculative not in _SPECULATIVE:
+        # an enum value from a newer client: refuse rather than run without it
+        raise InvalidArgument(f"unknown speculative mode {msg.speculative}; use one of "
+                              + ", ".join(f"{pb.SpeculativeMode.Name(v)} ({v})" for v in _SPECULATIVE))
+    values["speculative"] = _SPECULATIVE[msg.speculative]
     return SamplingParams(**values)
 
 
@@ -44,7 +49,8 @@ def request_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
         token_ids=tuple(msg.token_ids.ids) if kind == "token_ids" else (),
         messages=tuple(ChatMessage(m.role, m.content) for m in msg.messages.messages) if kind == "messages" else (),
         params=sampling_from_proto(msg.sampling),
-        request_id=new_request_id(),
+        request_id=current_request_id(),
+        priority=msg.priority,
     )
 
 

@@ -10,7 +10,7 @@ import importlib.metadata
 
 import structlog
 
-from modeld.backends.errors import InvalidArgument, ModeldError
+from modeld.backends.errors import ErrorKind, InvalidArgument, ModeldError
 from modeld.backends.generation.params import FinalEvent
 from modeld.gen import inference_pb2 as pb
 from modeld.gen import inference_pb2_grpc as pb_grpc
@@ -19,7 +19,7 @@ from modeld.server.lifecycle import Lifecycle
 from modeld.server.requests import ModelState
 from modeld.server.services.convert import parameter_value, request_from_proto, response_to_proto
 from modeld.server.services.kserve_text import text_request, text_response
-from modeld.server.services.status import grpc_errors, new_request_id
+from modeld.server.services.status import count_failure, current_request_id, grpc_errors
 from modeld.server.stats import Duration, ModelStats
 
 log = structlog.get_logger("modeld.rpc")
@@ -67,7 +67,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         if await self._is_language_model(request):
             return await self._complete_text(request)
-        result = await self.engine.infer(request_from_proto(request, new_request_id()))
+        result = await self.engine.infer(request_from_proto(request, current_request_id()))
         return response_to_proto(result)
 
     async def _is_language_model(self, request) -> bool:
@@ -75,16 +75,17 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return served.is_generative
 
     async def _complete_text(self, request) -> pb.ModelInferResponse:
-        """The whole completion in one response."""
-        chunks, final = [], None
-        async for event in self.engine.generate(text_request(request, new_request_id())):
+        """The whole completion in one response; a generation that fails
+        raises its own error from the engine."""
+        chunks, tokens, final = [], [], None
+        generation, timeout_s = text_request(request, current_request_id())
+        async for event in self.engine.generate(generation, timeout_s):
             if isinstance(event, FinalEvent):
                 final = event
             else:
                 chunks.append(event.text)
-        if final.error:
-            raise ModeldError(final.error)
-        return text_response(request, "".join(chunks), final)
+                tokens.append(event)
+        return text_response(request, "".join(chunks), final, tokens)
 
     async def _stream_text(self, request, put) -> None:
         """One response per token chunk; the last carries triton_final_response.
@@ -93,55 +94,70 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         the final flag; with triton_enable_empty_final_response the chunks
         all go out as they come and an empty response closes the request.
         """
-        flag = "triton_enable_empty_final_response"
-        empty_final = flag in request.parameters and request.parameters[flag].bool_param
+        empty_final = _wants_empty_final(request)
         pending = None
-        async for event in self.engine.generate(text_request(request, new_request_id())):
+        generation, timeout_s = text_request(request, current_request_id())
+        async for event in self.engine.generate(generation, timeout_s):
             if isinstance(event, FinalEvent):
-                await put(_flagged(text_response(request, None if empty_final else pending, event), True))
+                if empty_final or pending is None:
+                    await put(_flagged(text_response(request, None, event), True))
+                else:
+                    await put(_flagged(text_response(request, pending.text, event, [pending]), True))
                 return
             if empty_final:
-                await put(_flagged(text_response(request, event.text), False))
+                await put(_flagged(text_response(request, event.text, tokens=[event]), False))
                 continue
             if pending is not None:
-                await put(_flagged(text_response(request, pending), False))
-            pending = event.text
+                await put(_flagged(text_response(request, pending.text, tokens=[pending]), False))
+            pending = event
 
+    @grpc_errors
     async def ModelStreamInfer(self, request_iterator, context):
         """Requests on one stream run concurrently; each gets its own answers.
 
         A failed request becomes an error_message on the stream, which stays
-        open, as tritonclient expects. Language models answer with one
-        response per token chunk.
+        open, as tritonclient expects; the message starts with the status
+        the same failure gets from ModelInfer, and is counted the same way.
+        Language models answer with one response per token chunk. The
+        stream's request id covers every request on it.
         """
         responses: asyncio.Queue = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
+        request_id = current_request_id()
 
         async def put(response: pb.ModelInferResponse) -> None:
             await responses.put(pb.ModelStreamInferResponse(infer_response=response))
 
-        async def fail(msg: pb.ModelInferRequest, message: str) -> None:
+        async def fail(msg: pb.ModelInferRequest, kind: ErrorKind, message: str) -> None:
+            count_failure(self, msg.model_name, kind)
             await responses.put(pb.ModelStreamInferResponse(
-                error_message=message, infer_response=pb.ModelInferResponse(model_name=msg.model_name, id=msg.id)))
+                error_message=f"{kind.value}: {message}",
+                infer_response=pb.ModelInferResponse(model_name=msg.model_name, id=msg.id)))
 
         async def run_one(msg: pb.ModelInferRequest) -> None:
+            structlog.contextvars.bind_contextvars(request_id=request_id, client_request_id=msg.id)
             try:
                 if await self._is_language_model(msg):
                     await self._stream_text(msg, put)
                     return
-                result = await self.engine.infer(request_from_proto(msg, new_request_id()))
+                result = await self.engine.infer(request_from_proto(msg, request_id))
+                if _wants_empty_final(msg):
+                    await put(_flagged(response_to_proto(result), False))
+                    await put(_flagged(pb.ModelInferResponse(model_name=msg.model_name, id=msg.id), True))
+                    return
                 # A tensor model answers each request once: that answer is the last.
                 await put(_flagged(response_to_proto(result), True))
             except ModeldError as exc:
-                await fail(msg, f"{exc.kind.value}: {exc}")
+                log.info("stream_request_failed", model=msg.model_name, status=exc.kind.value, reason=str(exc))
+                await fail(msg, exc.kind, str(exc))
             except Exception:  # a bug: keep the stream and the daemon alive
                 log.exception("stream_request_bug", model=msg.model_name)
-                await fail(msg, "INTERNAL: internal error; see the daemon log")
+                await fail(msg, ErrorKind.INTERNAL, f"internal error (request id {request_id}); see the daemon log")
 
         async def read_requests() -> None:
             async for msg in request_iterator:
                 if self.lifecycle.is_draining:
-                    await fail(msg, "UNAVAILABLE: the daemon is shutting down")
+                    await fail(msg, ErrorKind.UNAVAILABLE, "the daemon is shutting down")
                     continue
                 task = asyncio.get_running_loop().create_task(run_one(msg))
                 tasks.add(task)
@@ -206,6 +222,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelUnload(self, request, context):
         await self.engine.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
+
+
+def _wants_empty_final(request: pb.ModelInferRequest) -> bool:
+    flag = "triton_enable_empty_final_response"
+    return flag in request.parameters and request.parameters[flag].bool_param
 
 
 def _flagged(response: pb.ModelInferResponse, final: bool) -> pb.ModelInferResponse:

@@ -1,6 +1,10 @@
 """Language models over the KServe protocol: BYTES `text_input` in,
 `text_output` out, sampling options as request parameters under the same
-names as modeld.v1.Generation, usage figures as response parameters."""
+names as modeld.v1.Generation, usage figures as response parameters.
+
+Logprobs travel as a response parameter `logprobs`: a JSON list with one
+object per generated token in that response, `{"token_id", "logprob",
+"top": [[token_id, logprob], ...]}`, most likely alternative first."""
 
 from __future__ import annotations
 
@@ -9,17 +13,21 @@ import json
 import numpy as np
 
 from modeld.backends.errors import InvalidArgument
-from modeld.backends.generation.params import FinalEvent, GenerateRequest, SamplingParams, SpeculativeMode, Usage
+from modeld.backends.generation.params import (
+    FinalEvent, GenerateRequest, SamplingParams, SpeculativeMode, TokenEvent, Usage,
+)
 from modeld.gen import inference_pb2 as pb
-from modeld.server.services.convert import decode_tensor, encode_bytes, parameter_value
+from modeld.server.services.convert import decode_tensor, encode_bytes, parameter_value, priority_of, timeout_of
 
 _NUMERIC = {"max_tokens": int, "top_k": int, "seed": int, "logprobs": int, "num_speculative_tokens": int,
             "temperature": float, "top_p": float, "min_p": float}
 _BOOLEAN = ("ignore_eos", "cache_prompt")
+# read by the service itself (priority_of, timeout_of, the stream's final flag)
 _TRITON_RESERVED = ("triton_enable_empty_final_response", "priority", "timeout")
 
 
-def text_request(msg: pb.ModelInferRequest, request_id: str) -> GenerateRequest:
+def text_request(msg: pb.ModelInferRequest, request_id: str) -> tuple[GenerateRequest, float | None]:
+    """The generation a KServe text request asks for, and its timeout in seconds."""
     texts = [decode_tensor(t, msg.raw_input_contents[i] if msg.raw_input_contents else None)
              for i, t in enumerate(msg.inputs) if t.name == "text_input"]
     if not texts or texts[0].size != 1:
@@ -30,7 +38,9 @@ def text_request(msg: pb.ModelInferRequest, request_id: str) -> GenerateRequest:
     except UnicodeDecodeError as exc:
         raise InvalidArgument(f"text_input is not valid UTF-8: {exc}") from None
     params = {k: parameter_value(v) for k, v in msg.parameters.items()}
-    return GenerateRequest(msg.model_name, prompt=prompt, params=sampling_from_parameters(params), request_id=request_id)
+    request = GenerateRequest(msg.model_name, prompt=prompt, params=sampling_from_parameters(params),
+                              request_id=request_id, priority=priority_of(params))
+    return request, timeout_of(params)
 
 
 def sampling_from_parameters(params: dict) -> SamplingParams:
@@ -72,16 +82,32 @@ def _string_list(key: str, value) -> tuple[str, ...]:
     return (value,)
 
 
-def text_response(msg: pb.ModelInferRequest, text: str | None, final: FinalEvent | None = None) -> pb.ModelInferResponse:
-    """One response: a text chunk (or none), with usage when it is the last."""
+def text_response(msg: pb.ModelInferRequest, text: str | None, final: FinalEvent | None = None,
+                  tokens: list[TokenEvent] = ()) -> pb.ModelInferResponse:
+    """One response: a text chunk (or none), the logprobs of the tokens in
+    it when asked, and usage when it is the last."""
     response = pb.ModelInferResponse(model_name=msg.model_name, model_version="1", id=msg.id)
     if text is not None:
         response.outputs.add(name="text_output", datatype="BYTES", shape=[1])
         response.raw_output_contents.append(encode_bytes(np.array([text.encode("utf-8")], dtype=object)))
+    logprobs = logprobs_json(tokens)
+    if logprobs is not None:
+        response.parameters["logprobs"].string_param = logprobs
     if final is not None:
         add_usage(response, final.usage)
         response.parameters["finish_reason"].string_param = final.finish_reason.value
     return response
+
+
+def logprobs_json(events) -> str | None:
+    """The chosen tokens' logprobs and their alternatives, as a JSON list."""
+    entries = []
+    for event in events:
+        tops = event.top_logprobs or ((),) * len(event.logprobs)
+        for chosen, top in zip(event.logprobs, tops):
+            entries.append({"token_id": chosen.token_id, "logprob": chosen.logprob,
+                            "top": [[c.token_id, c.logprob] for c in top]})
+    return json.dumps(entries) if entries else None
 
 
 def add_usage(response: pb.ModelInferResponse, usage: Usage) -> None:

@@ -1,28 +1,54 @@
-"""Map the engine's errors to gRPC status codes, in one place.
+"""Map the engine's errors to gRPC status codes, and give each call its id.
 
 Every servicer method is wrapped by `grpc_errors`: a ModeldError becomes its
 status with the message as written; anything else is a bug, logged with the
-request id and returned as INTERNAL.
+request id and returned as INTERNAL. Each failure is counted in
+`modeld_request_failures_total` by model and status. The request id comes
+from the client's `x-request-id` metadata when it sends a usable one, else it
+is made here; it is bound to every log line of the call, readable by the
+service through `current_request_id()`, and returned in the trailing metadata.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import uuid
 
 import grpc
 import structlog
 
 from modeld.backends.errors import ErrorKind, ModeldError
+from modeld.server.request_context import (
+    REQUEST_ID_HEADER, begin_call, current_protocol, current_request_id, new_request_id,
+)
+
+__all__ = ["STATUS_BY_KIND", "count_failure", "current_request_id", "grpc_errors", "new_request_id"]
 
 log = structlog.get_logger("modeld.rpc")
 
 STATUS_BY_KIND = {kind: getattr(grpc.StatusCode, kind.value) for kind in ErrorKind}
 
 
-def new_request_id() -> str:
-    return uuid.uuid4().hex[:16]
+def request_id_of(context) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_HEADER:
+            return value
+    return None
+
+
+def model_of(request) -> str:
+    """The model a request names, for the failure counter ("" if none)."""
+    for field in ("model_name", "model", "name"):
+        value = getattr(request, field, None)
+        if isinstance(value, str):
+            return value
+    return ""
+
+
+def count_failure(servicer, model: str, kind: ErrorKind) -> None:
+    engine = getattr(servicer, "engine", None)
+    if engine is not None:
+        engine.count_failure(model, kind)
 
 
 async def refuse_if_draining(servicer, context) -> None:
@@ -32,36 +58,43 @@ async def refuse_if_draining(servicer, context) -> None:
 
 
 def grpc_errors(method):
-    """Decorate a unary or server-streaming grpc.aio servicer method."""
+    """Decorate a unary or streaming grpc.aio servicer method."""
     name = method.__name__
 
-    async def fail(context, exc: BaseException, request_id: str):
+    async def fail(servicer, context, request, exc: BaseException, request_id: str):
+        trailer = ((REQUEST_ID_HEADER, request_id),)
         if isinstance(exc, ModeldError):
-            log.info("rpc_failed", rpc=name, request_id=request_id, status=exc.kind.value, reason=str(exc))
-            await context.abort(STATUS_BY_KIND[exc.kind], str(exc))
-        log.exception("rpc_bug", rpc=name, request_id=request_id)
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id}); see the daemon log")
+            log.info("rpc_failed", rpc=name, status=exc.kind.value, reason=str(exc))
+            count_failure(servicer, model_of(request), exc.kind)
+            await context.abort(STATUS_BY_KIND[exc.kind], str(exc), trailing_metadata=trailer)
+        log.exception("rpc_bug", rpc=name)
+        count_failure(servicer, model_of(request), ErrorKind.INTERNAL)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id}); see the daemon log",
+                            trailing_metadata=trailer)
+
+    def begin(context) -> str:
+        request_id = begin_call(request_id_of(context), "grpc")
+        context.set_trailing_metadata(((REQUEST_ID_HEADER, request_id),))
+        return request_id
 
     if inspect.isasyncgenfunction(method):
         @functools.wraps(method)
         async def stream_wrapper(self, request, context):
-            request_id = new_request_id()
-            structlog.contextvars.bind_contextvars(request_id=request_id)
+            request_id = begin(context)
             await refuse_if_draining(self, context)
             try:
                 async for item in method(self, request, context):
                     yield item
             except Exception as exc:  # noqa: BLE001 - mapped to a status above
-                await fail(context, exc, request_id)
+                await fail(self, context, request, exc, request_id)
         return stream_wrapper
 
     @functools.wraps(method)
     async def unary_wrapper(self, request, context):
-        request_id = new_request_id()
-        structlog.contextvars.bind_contextvars(request_id=request_id)
+        request_id = begin(context)
         await refuse_if_draining(self, context)
         try:
             return await method(self, request, context)
         except Exception as exc:  # noqa: BLE001 - mapped to a status above
-            await fail(context, exc, request_id)
+            await fail(self, context, request, exc, request_id)
     return unary_wrapper

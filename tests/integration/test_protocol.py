@@ -40,6 +40,7 @@ def test_server_live_ready_and_metadata(triton):
 
 
 def test_model_metadata_describes_the_text_signature(triton):
+    triton.load_model("minilm")  # a no-op when it is loaded already
     meta = triton.get_model_metadata("minilm")
     assert meta.versions == ["1"]
     assert [(t.name, t.datatype, list(t.shape)) for t in meta.inputs] == [("text", "BYTES", [-1])]
@@ -88,27 +89,34 @@ def test_fp32_model_onnxruntime_refuses_is_served_by_reference(triton, daemon):
     assert 'modeld_backend_fallbacks_total{from_backend="onnx",model="softcap_demo",stage="load"} 1.0' in metrics
 
 
-def test_typed_contents_and_every_parameter_kind_are_accepted(daemon):
+def test_typed_contents_and_the_parameters_a_tensor_model_understands_are_accepted(daemon):
     with grpc.insecure_channel(daemon.address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         request = pb.ModelInferRequest(model_name="softcap_demo", id="typed")
         tensor = request.inputs.add(name="x", datatype="FP32", shape=[1, 4])
         tensor.contents.fp32_contents.extend([0.0, 0.0, 0.0, 0.0])
-        request.parameters["b"].bool_param = True
-        request.parameters["i"].int64_param = -3
-        request.parameters["s"].string_param = "x"
-        request.parameters["d"].double_param = 0.5
-        request.parameters["u"].uint64_param = 2**63
+        request.parameters["priority"].uint64_param = 2
+        request.parameters["timeout"].int64_param = 30_000_000
         response = stub.ModelInfer(request, timeout=30)
+        # anything else would be ignored silently, so it is refused
+        for kind, value in (("bool_param", True), ("int64_param", -3), ("string_param", "x"),
+                            ("double_param", 0.5), ("uint64_param", 2**63)):
+            request.parameters.clear()
+            setattr(request.parameters["custom"], kind, value)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ModelInfer(request, timeout=30)
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "custom" in err.value.details()
     assert response.id == "typed"
     y = np.frombuffer(response.raw_output_contents[0], dtype=np.float32)
     np.testing.assert_allclose(y, 2.0 * np.tanh(np.array([0.5, -0.5, 1.0, -1.0]) / 2.0), rtol=1e-6)
 
 
-def test_tritonclient_user_parameters_and_priority(triton):
-    result = triton.infer("minilm", [_bytes_input("text", ["hi"])],
-                          parameters={"s": "v", "b": True, "i": 7}, priority=3)
+def test_tritonclient_priority_and_timeout_are_honoured_and_unknown_parameters_refused(triton):
+    result = triton.infer("minilm", [_bytes_input("text", ["hi"])], priority=3, timeout=30_000_000)
     assert result.as_numpy("embedding").shape == (1, 384)
+    with pytest.raises(InferenceServerException) as err:
+        triton.infer("minilm", [_bytes_input("text", ["hi"])], parameters={"s": "v"})
+    assert "INVALID_ARGUMENT" in str(err.value.status()) and "'s'" in err.value.message()
 
 
 def test_stream_infer_answers_each_request_and_isolates_errors(triton):
