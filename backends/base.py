@@ -112,12 +112,12 @@ class Backend(ABC):
 class GenerativeModel(LoadedModel):
     """A language model: serves token generation instead of tensor calls.
 
-    Subclasses set `loop` (a GenerationLoop) and `executor` (its
+    Subclasses set `loop` (a GenerationLoop) and `runner` (its
     StepExecutor); `start`/`stop` bracket the loop and the engine awaits both.
     """
 
     loop: Any
-    executor: Any
+    runner: Any
 
     def set_observer(self, observer) -> None:
         """Receive the generation loop's figures (the engine's metrics)."""
@@ -140,7 +140,7 @@ class GenerativeModel(LoadedModel):
         return self.loop.generate(request)
 
     def tokenize(self, text: str) -> list[int]:
-        return self.executor.tokenize(text)
+        return self.runner.tokenize(text)
 
     def detokenize(self, token_ids: list[int]) -> str:
-        return self.executor.detokenize(token_ids)
+        return self.runner.detokenize(token_ids)

@@ -89,11 +89,11 @@ class LlamaGenerativeModel(GenerativeModel):
             num_slots=n_slots, kv_capacity=n_ctx, context_length=context_length,
             max_step_tokens=step, max_waiting=options.max_waiting,
         ))
-        self.executor = LlamaExecutor(self.llama_model, self.context)
+        self.runner = LlamaExecutor(self.llama_model, self.context)
         self.draft = self._load_draft(options, n_ctx, n_slots, step, threads)
         if self.draft is not None:
             self.nbytes += self.draft.nbytes
-        self.loop = GenerationLoop(runner=self.executor, scheduler=self.scheduler, observer=observer, draft=self.draft,
+        self.loop = GenerationLoop(runner=self.runner, scheduler=self.scheduler, observer=observer, draft=self.draft,
                                    worker=COMPUTE_THREAD)
 
     def _load_draft(self, options: LlamaCppOptions, n_ctx: int, n_slots: int, step: int, threads: int):

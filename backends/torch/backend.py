@@ -228,10 +228,10 @@ class TorchGenerativeModel(GenerativeModel):
             max_running=options.max_running, max_step_tokens=options.max_step_tokens,
             max_waiting=options.max_waiting,
         ))
-        self.executor = TorchExecutor(self.model, self.tokenizer, self.scheduler.config.num_blocks, block_size, device)
+        self.runner = TorchExecutor(self.model, self.tokenizer, self.scheduler.config.num_blocks, block_size, device)
         if options.compile:
-            _compile(self.model, self.executor.k_caches, self.executor.v_caches, block_size, device)
-        self.nbytes = tensor_bytes(self.model.parameters()) + self.executor.kv_bytes
+            _compile(self.model, self.runner.k_caches, self.runner.v_caches, block_size, device)
+        self.nbytes = tensor_bytes(self.model.parameters()) + self.runner.kv_bytes
         self.inputs, self.outputs = TEXT_SIGNATURE
         self.device = device
         self.draft = None
@@ -247,7 +247,7 @@ class TorchGenerativeModel(GenerativeModel):
             if options.compile:
                 _compile(draft_model, self.draft.k_caches, self.draft.v_caches, block_size, device)
             self.nbytes += self.draft.nbytes
-        self.loop = GenerationLoop(runner=self.executor, scheduler=self.scheduler, draft=self.draft,
+        self.loop = GenerationLoop(runner=self.runner, scheduler=self.scheduler, draft=self.draft,
                                    worker=COMPUTE_THREAD)
 
     def unload(self) -> None:
@@ -256,7 +256,7 @@ class TorchGenerativeModel(GenerativeModel):
     def _release(self) -> None:
         self.draft = None
         self.loop.draft = None
-        self.executor.k_caches.clear()
-        self.executor.v_caches.clear()
+        self.runner.k_caches.clear()
+        self.runner.v_caches.clear()
         self.model = None
-        self.executor.model = None
+        self.runner.model = None
