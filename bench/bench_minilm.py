@@ -50,7 +50,7 @@ RESULTS_DIR = ROOT / "bench" / "results"
 # No preload: the language models in models/ would load (tens of CPU seconds)
 # while the measurements run; minilm is loaded by name below.
 SERVE_CMD = [str(ROOT / ".venv" / "bin" / "modeld"), "serve", "--model-repository", "models",
-             "--grpc-port", "0", "--metrics-port", "-1", "--log-format", "json", "--no-preload"]
+             "--grpc-port", "0", "--http-port", "-1", "--metrics-port", "-1", "--log-format", "json", "--no-preload"]
 
 SEED = 0
 N_SENTENCES = 64

@@ -1,9 +1,11 @@
-"""The daemon: engine, gRPC server, health, reflection, metrics, shutdown."""
+"""The daemon: engine, gRPC server, HTTP server, health, reflection, metrics, shutdown."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
+import socket
 import tempfile
 from pathlib import Path
 
@@ -43,6 +45,42 @@ def _reflection_pool():
     return _pool.POOL
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A bound, listening socket: binding here makes a taken port an OSError
+    the daemon reports, where uvicorn would sys.exit from inside the loop."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen for HTTP on {host}:{port} ({exc.strerror}); choose another "
+                                 "--http-port, 0 for a free one, or -1 to turn HTTP off") from None
+    return sock
+
+
+def _uvicorn_server(config):
+    import uvicorn
+
+    class EmbeddedServer(uvicorn.Server):
+        """uvicorn in the daemon's loop. It must not take SIGTERM/SIGINT:
+        signal.signal would replace the loop's handlers, and the daemon's
+        own drain order (health, refuse, finish, exit) must run instead."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+        def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+            pass
+
+    return EmbeddedServer(config)
+
+
 class Daemon:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -58,7 +96,10 @@ class Daemon:
         self.engine.add_listener(self._on_model_state)
         self.server: grpc.aio.Server | None = None
         self.port = 0
+        self.http_port = 0  # the bound port; 0 while HTTP is off
         self.metrics_port = 0
+        self._http = None
+        self._http_task: asyncio.Task | None = None
         self._stopped = asyncio.Event()
 
     def _on_model_state(self, name: str, state: ModelState) -> None:
@@ -86,16 +127,58 @@ class Daemon:
         if self.port == 0:
             raise OSError(f"cannot listen on {s.host}:{s.grpc_port}")
         await self.server.start()
+        await self._start_http()
         self._start_metrics()
         for name in self.engine.repository.names():
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        log.info("daemon_started", host=s.host, grpc_port=self.port, metrics_port=self.metrics_port,
+        log.info("daemon_started", host=s.host, grpc_port=self.port, http_port=self.http_port,
+                 metrics_port=self.metrics_port,
                  memory_budget=format_size(s.memory_budget), memory_budget_bytes=s.memory_budget,
                  backends={e.name: (e.availability.reason or "available") for e in self.registry.entries()})
         if s.preload:
             await self._preload()
         return self.port
+
+    async def _start_http(self) -> None:
+        """KServe v2 REST and the OpenAI API on uvicorn, in this event loop:
+        one process, one engine, so one copy of every model."""
+        s = self.settings
+        if s.http_port < 0:
+            return
+        import uvicorn
+
+        from modeld.server.http.app import build_app
+
+        sock = _listen(s.host, s.http_port)
+        config = uvicorn.Config(
+            build_app(self.engine, self.lifecycle, s.max_message_bytes),
+            log_config=None, lifespan="off", access_log=False, server_header=False,
+            timeout_graceful_shutdown=s.shutdown_grace_s,
+            # longer than clients and balancers keep idle connections (aiohttp
+            # 15 s, cloud balancers 60 s): a server that closes first races
+            # their next request on the same connection, which then fails
+            timeout_keep_alive=75,
+        )
+        self._http = _uvicorn_server(config)
+        self.http_port = sock.getsockname()[1]
+        self._http_task = asyncio.get_running_loop().create_task(self._http.serve(sockets=[sock]))
+        while not self._http.started:
+            if self._http_task.done():
+                self._http_task.result()  # startup failed: raise why
+                raise OSError(f"the HTTP server on {s.host}:{self.http_port} stopped during start-up")
+            await asyncio.sleep(0.01)
+
+    async def _stop_http(self) -> None:
+        """Close the port and idle keep-alive connections, let requests in
+        flight finish within the grace period (uvicorn cancels the rest)."""
+        if self._http_task is None:
+            return
+        self._http.should_exit = True
+        try:
+            await self._http_task
+        except (Exception, SystemExit):  # noqa: BLE001 - the daemon exits either way; say why
+            log.exception("http_stop_failed")
 
     def _start_metrics(self) -> None:
         if self.settings.metrics_port < 0:
@@ -121,8 +204,10 @@ class Daemon:
         log.info("daemon_draining", grace_s=self.settings.shutdown_grace_s)
         await self.health.enter_graceful_shutdown()
         await asyncio.sleep(self.settings.drain_delay_s)
+        stopping = [self._stop_http()]
         if self.server is not None:
-            await self.server.stop(self.settings.shutdown_grace_s)
+            stopping.append(self.server.stop(self.settings.shutdown_grace_s))
+        await asyncio.gather(*stopping)
         await self.engine.stop()
         if getattr(self, "_metrics_server", None) is not None:
             self._metrics_server.shutdown()

@@ -16,6 +16,8 @@ def _serve_args(sub) -> None:
     p.add_argument("--model-repository", dest="model_repository", help="folder of <name>/model.toml (default: ./models)")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     p.add_argument("--grpc-port", dest="grpc_port", type=int, help="gRPC port (default 8001; 0 picks a free one)")
+    p.add_argument("--http-port", dest="http_port", type=int,
+                   help="HTTP port for KServe v2 REST and the OpenAI API (default 8000; 0 picks a free one; -1 off)")
     p.add_argument("--metrics-port", dest="metrics_port", type=int, help="Prometheus port (default 8002; -1 off)")
     p.add_argument("--memory-budget", dest="memory_budget", help="bytes all models may hold, e.g. 2GiB (default: half of RAM)")
     p.add_argument("--config", type=Path, help="TOML settings file")
@@ -70,7 +72,7 @@ def serve(args) -> int:
     from modeld.server.config import ConfigError, load_settings
     from modeld.server.logging import configure_logging
 
-    flags = {k: getattr(args, k) for k in ("model_repository", "host", "grpc_port", "metrics_port",
+    flags = {k: getattr(args, k) for k in ("model_repository", "host", "grpc_port", "http_port", "metrics_port",
                                            "memory_budget", "lazy_load", "preload", "log_format")}
     try:
         settings = load_settings(flags, config_file=args.config)

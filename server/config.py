@@ -34,6 +34,7 @@ class Settings:
     model_repository: Path | None = Path("models")
     host: str = "127.0.0.1"
     grpc_port: int = 8001
+    http_port: int = 8000  # KServe v2 REST and the OpenAI API; -1 turns HTTP off
     metrics_port: int = 8002  # -1 turns the metrics endpoint off
     memory_budget: int = 0  # 0: DEFAULT_BUDGET_FRACTION of physical memory
     lazy_load: bool = True
@@ -46,13 +47,14 @@ class Settings:
 
     def describe(self) -> str:
         return (f"repository={self.model_repository} grpc={self.host}:{self.grpc_port} "
-                f"metrics_port={self.metrics_port} memory_budget={format_size(self.memory_budget)}")
+                f"http_port={self.http_port} metrics_port={self.metrics_port} memory_budget={format_size(self.memory_budget)}")
 
 
 _PARSERS = {
     "model_repository": lambda v: Path(v) if v not in ("", None) else None,
     "host": str,
     "grpc_port": int,
+    "http_port": int,
     "metrics_port": int,
     "memory_budget": parse_size,
     "lazy_load": lambda v: _parse_bool(v),
@@ -125,6 +127,8 @@ def _validate(s: Settings) -> None:
     """Raises ConfigError(message, setting) so the caller can name the origin."""
     checks = (
         ("grpc_port", 0 <= s.grpc_port <= 65535, f"grpc_port {s.grpc_port} must be 0..65535 (0 picks a free port)"),
+        ("http_port", -1 <= s.http_port <= 65535,
+         f"http_port {s.http_port} must be -1 (off) or 0..65535 (0 picks a free port)"),
         ("metrics_port", -1 <= s.metrics_port <= 65535, f"metrics_port {s.metrics_port} must be -1 (off) or 0..65535"),
         ("model_repository", s.model_repository is None or s.model_repository.is_dir(),
          f"model_repository {s.model_repository} is not a directory"),

@@ -26,12 +26,17 @@ class DaemonProcess:
     proc: subprocess.Popen
     port: int = 0
     metrics_port: int = 0
+    http_port: int = 0  # 0 when the daemon serves no HTTP (--http-port -1)
     logs: list[dict] = field(default_factory=list)
     _lines: list[str] = field(default_factory=list)
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
 
     def events(self, name: str) -> list[dict]:
         return [e for e in list(self.logs) if e.get("event") == name]
@@ -58,13 +63,16 @@ def _pump(daemon: DaemonProcess, started: threading.Event) -> None:
         daemon.logs.append(event)
         if event.get("event") == "daemon_started":
             daemon.port, daemon.metrics_port = event["grpc_port"], event["metrics_port"]
+            daemon.http_port = event.get("http_port") or 0
             started.set()
 
 
 def start_daemon(*args: str, repository: Path | None = MODELS, env: dict | None = None,
-                 wait_for_preload: bool = True, timeout: float = 120) -> DaemonProcess:
-    cmd = [sys.executable, "-m", "modeld.server.cli", "serve", "--grpc-port", "0", "--metrics-port", "0",
-           "--log-format", "json"]
+                 wait_for_preload: bool = True, timeout: float = 300) -> DaemonProcess:
+    # every port 0: concurrent test daemons would collide on the defaults
+    # (HTTP's 8000 included); a later flag in `args` overrides these
+    cmd = [sys.executable, "-m", "modeld.server.cli", "serve", "--grpc-port", "0", "--http-port", "0",
+           "--metrics-port", "0", "--log-format", "json"]
     if repository is not None:
         cmd += ["--model-repository", str(repository)]
     proc = subprocess.Popen(cmd + list(args), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,

@@ -230,3 +230,39 @@ def test_non_existent_repository_error_names_setting_and_origin(tmp_path):
         load_settings({}, environ={"MODELD_MODEL_REPOSITORY": str(tmp_path / "nowhere")})
     assert "model_repository" in str(info.value)
     assert "$MODELD_MODEL_REPOSITORY" in str(info.value)
+
+
+# -- http_port -------------------------------------------------------------------------
+
+
+def test_http_port_defaults_to_tritons_8000(repo):
+    assert load_settings({"model_repository": str(repo)}, environ={}).http_port == 8000
+
+
+def test_http_port_from_file_env_and_flag(tmp_path, repo):
+    path = write_config(tmp_path, f'model_repository = "{repo}"\nhttp_port = 9000\n')
+    assert load_settings({}, environ={}, config_file=path).http_port == 9000
+    assert load_settings({}, environ={"MODELD_HTTP_PORT": "9001"}, config_file=path).http_port == 9001
+    assert load_settings({"http_port": 9002}, environ={"MODELD_HTTP_PORT": "9001"}, config_file=path).http_port == 9002
+
+
+def test_http_port_minus_one_turns_http_off_and_zero_picks_a_free_port(repo):
+    assert load_settings({"model_repository": str(repo), "http_port": -1}, environ={}).http_port == -1
+    assert load_settings({"model_repository": str(repo), "http_port": 0}, environ={}).http_port == 0
+
+
+@pytest.mark.parametrize(("flags", "environ", "origin"), [
+    ({"http_port": -2}, {}, "--http-port"),
+    ({}, {"MODELD_HTTP_PORT": "65536"}, "$MODELD_HTTP_PORT"),
+])
+def test_http_port_out_of_range_names_setting_and_origin(repo, flags, environ, origin):
+    with pytest.raises(ConfigError) as info:
+        load_settings({"model_repository": str(repo), **flags}, environ=environ)
+    assert "http_port" in str(info.value) and "-1 (off)" in str(info.value) and origin in str(info.value)
+
+
+def test_cli_passes_the_http_port_flag():
+    from modeld.server.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--http-port", "0"]).http_port == 0
+    assert build_parser().parse_args(["serve"]).http_port is None  # unset: env, file or default decide
