@@ -365,8 +365,10 @@ def test_oversize_body_is_413_and_small_ones_still_pass(small_daemon):
 def test_sigterm_refuses_new_http_requests_and_finishes_those_in_flight(small_daemon):
     """Runs last on small_daemon: it ends it."""
     url = small_daemon.http_url
-    texts = [LONG_TEXT] * 4
-    request = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [4], "data": texts}]}
+    # 8 calls of 16 rows of 256 tokens: two merged batches of 64 rows, each
+    # far longer than the 0.1 s before the signal even on a quiet machine
+    texts = [LONG_TEXT] * 16
+    request = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [16], "data": texts}]}
     with httpx.Client(base_url=url, timeout=120) as client:
         assert client.post("/v2/repository/models/minilm/load").status_code == 200
 
@@ -383,7 +385,7 @@ def test_sigterm_refuses_new_http_requests_and_finishes_those_in_flight(small_da
         assert late.get("/v2/health/ready").status_code == 200  # a kept-alive connection, reused below
         futures = [pool.submit(embed) for _ in range(8)]
         ready_to_send.wait(30)
-        time.sleep(0.5)  # the calls are in flight: 32 rows of 256 tokens take seconds here
+        time.sleep(0.1)  # the calls are in flight: 128 rows of 256 tokens take seconds here
         signalled = time.monotonic()
         small_daemon.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)  # inside the drain delay
@@ -393,7 +395,7 @@ def test_sigterm_refuses_new_http_requests_and_finishes_those_in_flight(small_da
     results = [response for response, _ in finished]
     assert [r.status_code for r in results] == [200] * 8, [r.text for r in results if r.status_code != 200]
     assert all(done > signalled for _, done in finished), "a call ended before SIGTERM: nothing was in flight"
-    assert all(r.json()["outputs"][0]["shape"] == [4, 384] for r in results)
+    assert all(r.json()["outputs"][0]["shape"] == [16, 384] for r in results)
     assert small_daemon.proc.wait(60) == 0
     assert small_daemon.events("daemon_stopped")
     with pytest.raises(httpx.ConnectError):
