@@ -30,7 +30,6 @@ from starlette.routing import Route
 
 from modeld.backends.dtypes import NUMPY_BY_DATATYPE
 from modeld.backends.errors import ErrorKind, InvalidArgument, ModeldError, NotFound
-from modeld.backends.generation.params import FinalEvent
 from modeld.gen import inference_pb2 as pb
 from modeld.server.engine import MODEL_VERSION
 from modeld.server.http.app import internal_message, read_body, status_of_error
@@ -38,7 +37,7 @@ from modeld.server.request_context import current_request_id
 from modeld.server.requests import ModelState
 from modeld.server.services.convert import encode_bytes, parameter_value, request_from_proto, response_to_proto
 from modeld.server.services.inference import EXTENSIONS, SERVER_NAME, SERVER_VERSION
-from modeld.server.services.kserve_text import text_request, text_response
+from modeld.server.services.kserve_text import complete_text
 
 log = structlog.get_logger("modeld.http")
 
@@ -235,20 +234,8 @@ class _KServe:
     async def _run(self, msg: pb.ModelInferRequest) -> pb.ModelInferResponse:
         served = await self.engine.ensure_loaded(msg.model_name, msg.model_version)
         if served.is_generative:
-            return await self._complete_text(msg)
+            return await complete_text(self.engine, msg, current_request_id())
         return response_to_proto(await self.engine.infer(request_from_proto(msg, current_request_id())))
-
-    async def _complete_text(self, msg: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        """The whole completion in one response, as gRPC's ModelInfer gives it."""
-        chunks, tokens, final = [], [], None
-        generation, timeout_s = text_request(msg, current_request_id())
-        async for event in self.engine.generate(generation, timeout_s):
-            if isinstance(event, FinalEvent):
-                final = event
-            else:
-                chunks.append(event.text)
-                tokens.append(event)
-        return text_response(msg, "".join(chunks), final, tokens)
 
 
 async def _unless_disconnected(request: Request, work):

@@ -18,7 +18,7 @@ from modeld.server.engine import MODEL_VERSION, Engine
 from modeld.server.lifecycle import Lifecycle
 from modeld.server.requests import ModelState
 from modeld.server.services.convert import parameter_value, request_from_proto, response_to_proto
-from modeld.server.services.kserve_text import text_request, text_response
+from modeld.server.services.kserve_text import complete_text, text_request, text_response
 from modeld.server.services.status import count_failure, current_request_id, grpc_errors
 from modeld.server.stats import Duration, ModelStats
 
@@ -66,26 +66,13 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     @grpc_errors
     async def ModelInfer(self, request, context):
         if await self._is_language_model(request):
-            return await self._complete_text(request)
+            return await complete_text(self.engine, request, current_request_id())
         result = await self.engine.infer(request_from_proto(request, current_request_id()))
         return response_to_proto(result)
 
     async def _is_language_model(self, request) -> bool:
         served = await self.engine.ensure_loaded(request.model_name, request.model_version)
         return served.is_generative
-
-    async def _complete_text(self, request) -> pb.ModelInferResponse:
-        """The whole completion in one response; a generation that fails
-        raises its own error from the engine."""
-        chunks, tokens, final = [], [], None
-        generation, timeout_s = text_request(request, current_request_id())
-        async for event in self.engine.generate(generation, timeout_s):
-            if isinstance(event, FinalEvent):
-                final = event
-            else:
-                chunks.append(event.text)
-                tokens.append(event)
-        return text_response(request, "".join(chunks), final, tokens)
 
     async def _stream_text(self, request, put) -> None:
         """One response per token chunk; the last carries triton_final_response.

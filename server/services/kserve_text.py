@@ -114,3 +114,17 @@ def add_usage(response: pb.ModelInferResponse, usage: Usage) -> None:
     for name in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "drafted_tokens", "accepted_tokens"):
         response.parameters[name].int64_param = getattr(usage, name)
     response.parameters["time_to_first_token_s"].double_param = usage.time_to_first_token_s
+
+
+async def complete_text(engine, msg: pb.ModelInferRequest, request_id: str) -> pb.ModelInferResponse:
+    """The whole completion in one response (ModelInfer on gRPC and REST); a
+    generation that fails raises its own error from the engine."""
+    chunks, tokens, final = [], [], None
+    generation, timeout_s = text_request(msg, request_id)
+    async for event in engine.generate(generation, timeout_s):
+        if isinstance(event, FinalEvent):
+            final = event
+        else:
+            chunks.append(event.text)
+            tokens.append(event)
+    return text_response(msg, "".join(chunks), final, tokens)

@@ -19,7 +19,7 @@ import structlog
 
 from modeld.backends.errors import ErrorKind, ModeldError
 from modeld.server.request_context import (
-    REQUEST_ID_HEADER, begin_call, current_protocol, current_request_id, new_request_id,
+    REQUEST_ID_HEADER, begin_call, current_request_id, new_request_id,
 )
 
 __all__ = ["STATUS_BY_KIND", "count_failure", "current_request_id", "grpc_errors", "new_request_id"]

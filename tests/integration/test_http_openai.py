@@ -334,7 +334,7 @@ def test_refusals_the_sdk_reports(client):
 
 
 def test_accepted_extensions_and_neutral_fields(raw):
-    body = {"model": "smollm2", "messages": CHAT, "max_tokens": 3, "temperature": 0, "user": "someone",
+    body = {"model": "smollm2", "max_tokens": 3, "temperature": 0, "user": "someone",
             "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"},
             "priority": 1, "top_k": 5, "min_p": 0.0, "n": 1, "stop": None,
             "messages": [{"role": "developer", "content": "Be brief."},
