@@ -43,7 +43,10 @@ def parameter_value(param) -> object:
 
 
 def request_from_proto(msg: pb.ModelInferRequest, request_id: str = "") -> InferRequest:
-    if msg.raw_input_contents and len(msg.raw_input_contents) != len(msg.inputs):
+    # Tensors in a shared-memory region carry no contents here: the request
+    # is refused as UNIMPLEMENTED by the engine, never misread as empty input.
+    in_shared_memory = any("shared_memory_region" in t.parameters for t in msg.inputs)
+    if msg.raw_input_contents and len(msg.raw_input_contents) != len(msg.inputs) and not in_shared_memory:
         raise InvalidArgument(
             f"got {len(msg.raw_input_contents)} raw_input_contents for {len(msg.inputs)} inputs; "
             "send one raw entry per input, in the order of 'inputs'"
@@ -54,6 +57,8 @@ def request_from_proto(msg: pb.ModelInferRequest, request_id: str = "") -> Infer
         if tensor.name in inputs:
             raise InvalidArgument(f"input {tensor.name!r} appears twice")
         required |= {cap for key, cap in _PARAMETER_CAPABILITIES.items() if key in tensor.parameters}
+        if in_shared_memory:
+            continue
         raw = msg.raw_input_contents[index] if msg.raw_input_contents else None
         inputs[tensor.name] = decode_tensor(tensor, raw)
     parameters = {key: parameter_value(value) for key, value in msg.parameters.items()}

@@ -248,6 +248,16 @@ def test_shared_memory_on_an_input_requires_shared_memory():
     assert request.required == frozenset({Capability.TENSOR_INFERENCE, Capability.SHARED_MEMORY})
 
 
+def test_an_input_in_shared_memory_has_no_contents_and_is_not_misread_as_empty():
+    # as tritonclient's InferInput.set_shared_memory sends it: the data is in the region
+    msg = pb.ModelInferRequest(model_name="m")
+    tensor = msg.inputs.add(name="x", datatype="INT64", shape=[1, 3])
+    tensor.parameters["shared_memory_region"].string_param = "region0"
+    tensor.parameters["shared_memory_byte_size"].int64_param = 24
+    request = request_from_proto(msg)
+    assert Capability.SHARED_MEMORY in request.required and request.inputs == {}
+
+
 def test_sequence_start_on_an_output_requires_sequence_batching():
     msg = raw_request(("x", "FP32", [1], np.float32(1).tobytes()))
     msg.outputs.add(name="y").parameters["sequence_start"].bool_param = True
