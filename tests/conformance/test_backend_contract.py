@@ -23,12 +23,16 @@ from modeld.backends.base import Capability
 from modeld.backends.generation.params import FinalEvent, GenerateRequest, SamplingParams, SpeculativeMode
 from modeld.backends.errors import InvalidArgument, Unimplemented
 from modeld.backends.registry import BACKENDS, BackendRegistry
+from modeld.gen import generation_pb2 as generation_pb
+from modeld.gen import inference_pb2 as inference_pb
 from modeld.server.engine import Engine
 from modeld.server.memory import MemoryManager
 from modeld.server.metrics import Metrics
 from modeld.server.os_memory import release_freed_memory
 from modeld.server.repository import ModelRepository
 from modeld.server.requests import InferRequest
+from modeld.server.services.convert import request_from_proto
+from modeld.server.services.generation import request_from_proto as generate_from_proto
 
 ROOT = Path(__file__).resolve().parents[2]
 REGISTRY = BackendRegistry()
@@ -64,7 +68,7 @@ def _inline(engine: Engine, name: str, backend: str, model: bytes, **config):
     if backend in GENERATIVE_BACKENDS:
         body = {"backends": [backend], "format": "gguf", "artifact": "model.gguf",
                 "llamacpp": {"n_ctx": 4096, "n_slots": 4, "context_length": 1024},
-                "torch": {"num_blocks": 128, "context_length": 1024}}
+                "torch": {"num_blocks": 128, "context_length": 1024} | config.get("torch", {})}
         return engine.repository.add_inline(name, json.dumps(body), {"file:model.gguf": GGUF.read_bytes()})
     body = {"backends": [backend], "batching": {"max_batch_size": 16, "max_queue_delay_us": 2000}} | config
     files = {"file:model.onnx": model}
@@ -113,7 +117,7 @@ async def test_load_reports_bytes_and_unload_frees_them(backend, tmp_path):
     freed = loaded_rss - _rss()
     # In-process RSS is only informative here (the test's own allocations
     # blur it); tests/integration checks the figure against a daemon's RSS.
-    record(backend, "load/unload bytes", f"reported {served.loaded.nbytes / 1e6:.0f} MB; RSS +{(loaded_rss - before) / 1e6:.0f} MB at load, -{freed / 1e6:.0f} MB at unload")
+    record(backend, "load/unload bytes", f"reported {served.loaded.nbytes / 1e6:.0f} MB; RSS {(loaded_rss - before) / 1e6:+.0f} MB at load, {-freed / 1e6:+.0f} MB at unload")
     assert engine.served("big") is None
 
 
@@ -134,18 +138,85 @@ async def test_tensor_inference_and_dynamic_batching_match_declared_capabilities
     await engine.stop()
 
 
+def _kserve_request(model: str, **parameters) -> InferRequest:
+    """A ModelInfer message as tritonclient sends it, decoded by the service's
+    own converter: its parameters are what make capabilities required."""
+    msg = inference_pb.ModelInferRequest(model_name=model, id="contract")
+    tensor = msg.inputs.add(name="x", datatype="INT64", shape=[1, 3])
+    if parameters.pop("shared_memory", False):
+        # InferInput.set_shared_memory: the data stays in the region, the
+        # message names it and carries no contents
+        tensor.parameters["shared_memory_region"].string_param = "contract_region"
+        tensor.parameters["shared_memory_byte_size"].int64_param = 24
+    else:
+        msg.raw_input_contents.append(np.array([[1, 2, 3]], np.int64).tobytes())
+    for key, value in parameters.items():
+        if isinstance(value, bool):
+            msg.parameters[key].bool_param = value
+        else:
+            msg.parameters[key].int64_param = value
+    return request_from_proto(msg)
+
+
+async def _first_event(engine: Engine, model: str, **sampling):
+    """A modeld.v1 Generate call decoded by the service's own converter."""
+    msg = generation_pb.GenerateRequest(model=model, prompt="Hello", sampling=generation_pb.SamplingParams(**sampling))
+    stream = engine.generate(generate_from_proto(msg))
+    try:
+        return await stream.__anext__()
+    finally:
+        await stream.aclose()
+
+
+# A real request that needs the capability, for each one a request can ask for.
+_REQUEST_NEEDING = {
+    Capability.TENSOR_INFERENCE: lambda engine, model: engine.infer(_kserve_request(model)),
+    Capability.SEQUENCE_BATCHING: lambda engine, model: engine.infer(
+        _kserve_request(model, sequence_id=42, sequence_start=True)),
+    Capability.SHARED_MEMORY: lambda engine, model: engine.infer(_kserve_request(model, shared_memory=True)),
+    Capability.GENERATION: lambda engine, model: _first_event(engine, model, max_tokens=2),
+    # every Generate call streams its tokens
+    Capability.STREAMING: lambda engine, model: _first_event(engine, model, max_tokens=2),
+    Capability.LOGPROBS: lambda engine, model: _first_event(engine, model, max_tokens=2, logprobs=2),
+    Capability.SPECULATIVE_DECODING: lambda engine, model: _first_event(
+        engine, model, max_tokens=2, speculative=generation_pb.SPECULATIVE_NGRAM),
+}
+# The rest are how a backend serves, not what a request asks for: lacking them
+# costs speed, never a different answer, so nothing can fail closed on them.
+_NOT_REQUESTABLE = {
+    Capability.DYNAMIC_BATCHING: "no request can ask for it: requests are merged server-side or run one by one",
+    Capability.CONTINUOUS_BATCHING: "no request can ask for it: concurrent Generate calls are served either way",
+    Capability.PREFIX_CACHE: "no request can ask for it: cache_prompt is a hint; the prompt is recomputed",
+    Capability.GPU: "no request can ask for it: the device is the daemon's choice",
+}
+
+
+def test_every_capability_is_either_requestable_or_says_why_not():
+    assert set(_REQUEST_NEEDING) | set(_NOT_REQUESTABLE) == set(Capability)
+    assert not set(_REQUEST_NEEDING) & set(_NOT_REQUESTABLE)
+
+
 @pytest.mark.parametrize("backend", RUNNABLE)
 async def test_missing_capabilities_fail_closed_with_the_reason(backend, tmp_path):
     engine = _engine(tmp_path)
-    await engine.load("double", _inline(engine, "double", backend, onnx_fixtures.double_int64()))
-    lacking = sorted(set(Capability) - REGISTRY.get(backend).capabilities - {Capability.GPU}, key=lambda c: c.value)
+    model = "llm" if backend in GENERATIVE_BACKENDS else "double"
+    # no request here runs the model: torch's minutes of compiling buy nothing
+    await engine.load(model, _inline(engine, model, backend, onnx_fixtures.double_int64(), torch={"compile": False}))
+    lacking = sorted(set(Capability) - REGISTRY.get(backend).capabilities, key=lambda c: c.value)
+    failed_closed = 0
     for capability in lacking:
-        request = InferRequest("double", {"x": np.zeros((1, 3), np.int64)},
-                               required=frozenset({capability}))
+        if capability in _NOT_REQUESTABLE:
+            record(backend, capability.value, f"no: {_NOT_REQUESTABLE[capability]}")
+            continue
         with pytest.raises(Unimplemented) as err:
-            await engine.infer(request)
-        assert backend in str(err.value) and capability.value in str(err.value)
-        record(backend, capability.value, "no: UNIMPLEMENTED with reason")
+            await _REQUEST_NEEDING[capability](engine, model)
+        reason = str(err.value)
+        assert f"backend {backend!r}" in reason and capability.value in reason, (capability, reason)
+        record(backend, capability.value, "no: the request fails UNIMPLEMENTED naming it")
+        failed_closed += 1
+    # a tensor backend lacks every generation feature, an LLM backend tensor
+    # inference, and none of them serves Triton's sequences or shared memory
+    assert failed_closed >= 3
     await engine.stop()
 
 
@@ -194,6 +265,65 @@ def _gen(prompt: str, **params) -> GenerateRequest:
     return GenerateRequest("llm", prompt=prompt, params=SamplingParams(**{"max_tokens": 12, **params}))
 
 
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def _reference_logits(backend: str, ids: list[int]) -> tuple[np.ndarray, str]:
+    """Logits at every position of `ids`, from an independent run of what the
+    backend computes: llama.cpp itself for llamacpp, Hugging Face transformers
+    on the same (dequantized) weights for torch."""
+    if backend == "llamacpp":
+        from llama_cpp import Llama
+
+        # flash attention, as backends/llamacpp/context.py runs it
+        llm = Llama(str(GGUF), n_ctx=512, n_threads=2, flash_attn=True, logits_all=True, verbose=False)
+        try:
+            llm.eval(ids)
+            return np.array(llm.scores[:len(ids)]), "llama-cpp-python's Llama on the same GGUF"
+        finally:
+            llm.close()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = GGUF.resolve()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0].numpy()
+    return logits, "transformers' LlamaForCausalLM on the same weights"
+
+
+async def _check_logprobs(engine: Engine, backend: str) -> str:
+    """Greedy with logprobs=2: the chosen tokens' and the runners-up's values
+    are log_softmax of the model's logits at their positions."""
+    prompt = await engine.tokenize("llm", "The capital of France is")
+    request = GenerateRequest("llm", token_ids=tuple(prompt), params=SamplingParams(
+        max_tokens=6, logprobs=2, ignore_eos=True, cache_prompt=False))
+    events = [e async for e in engine.generate(request) if not isinstance(e, FinalEvent)]
+    tokens = [t for e in events for t in e.token_ids]
+    chosen = [lp for e in events for lp in e.logprobs]
+    tops = [top for e in events for top in e.top_logprobs]
+    assert len(tokens) == 6 and [c.token_id for c in chosen] == tokens and len(tops) == 6
+    for c, top in zip(chosen, tops):
+        assert len(top) == 2 and top[0].logprob >= top[1].logprob
+        assert (top[0].token_id, top[0].logprob) == (c.token_id, c.logprob)  # greedy takes the best
+    logits, reference = _reference_logits(backend, prompt + tokens)
+    # the logits at position i predict token i + 1
+    expected = _log_softmax(logits[len(prompt) - 1:-1])
+    rows = np.arange(len(tokens))
+    assert (expected.argmax(axis=1) == tokens).all(), "the greedy tokens are the reference's argmax"
+    runner_up = np.sort(expected, axis=1)[:, -2]
+    second_ids = [top[1].token_id for top in tops]
+    got = np.array([[c.logprob, top[1].logprob, top[1].logprob] for c, top in zip(chosen, tops)])
+    want = np.stack([expected[rows, tokens], runner_up, expected[rows, second_ids]], axis=1)
+    # the same model run independently, so off-by-one positions, scaled logits
+    # or a wrong normaliser show up in the second decimal; measured here: 0
+    # (llama.cpp against itself) and 6e-6 (torch against transformers, fp32)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-3)
+    return f"yes: 6 greedy tokens' logprobs and runners-up within {np.abs(got - want).max():.1e} of {reference}"
+
+
 @pytest.mark.parametrize("backend", GENERATIVE_BACKENDS)
 async def test_generative_backend_contract(backend, tmp_path):
     engine = _engine(tmp_path)
@@ -207,9 +337,15 @@ async def test_generative_backend_contract(backend, tmp_path):
     record(backend, "generation", "yes")
     record(backend, "streaming", f"yes: {events} events for 12 tokens")
 
+    counts = served.loaded.loop.step_counts
+    shared_before = counts.shared_steps
     runs = await asyncio.gather(*(_collect(engine, _gen(p)) for p in ("One", "Two", "Three")))
     assert all(len(r[0]) == 12 for r in runs)
-    record(backend, "continuous_batching", f"declared={Capability.CONTINUOUS_BATCHING in caps}, 3 concurrent streams served")
+    # three streams served one after another would never share a step
+    shared = counts.shared_steps - shared_before
+    assert (shared > 0) == (Capability.CONTINUOUS_BATCHING in caps)
+    record(backend, "continuous_batching", f"declared={Capability.CONTINUOUS_BATCHING in caps}: {shared} steps carried "
+           f"2+ of 3 concurrent streams, up to {counts.most_sequences} sequences in one step")
 
     long_prompt = "Answer in one word. " * 6 + "The capital of France is"
     await _collect(engine, _gen(long_prompt))
@@ -222,9 +358,7 @@ async def test_generative_backend_contract(backend, tmp_path):
     assert spec[0] == plain[0] and spec[1].usage.drafted_tokens > 0
     record(backend, "speculative_decoding", f"ngram: {spec[1].usage.accepted_tokens}/{spec[1].usage.drafted_tokens} drafts accepted, output identical")
 
-    logged = await _collect(engine, _gen("Hi", logprobs=2, max_tokens=3))
-    assert logged[2] >= 1
-    record(backend, "logprobs", "yes")
+    record(backend, "logprobs", await _check_logprobs(engine, backend))
 
     bad = await asyncio.gather(_collect(engine, _gen("fine")), _collect(engine, _gen("bad", top_p=0.0)),
                                return_exceptions=True)
@@ -245,11 +379,14 @@ async def test_generative_backend_contract(backend, tmp_path):
     assert engine.memory.used == 0
 
 
+@pytest.mark.slow  # a report more than a contract: 40 sequential generations and a torch compile
 @pytest.mark.skipif(not {"llamacpp", "torch"} <= set(GENERATIVE_BACKENDS), reason="needs both LLM backends")
 async def test_cross_backend_greedy_agreement_report(tmp_path):
     """How many of the first 16 greedy tokens agree between llamacpp (Q4_1)
-    and torch (the same weights dequantized), over 20 prompts. A figure, not
-    an assertion: quantized and fp32 arithmetic drift apart on near ties."""
+    and torch (the same weights dequantized), over 20 prompts. Quantized and
+    fp32 arithmetic drift apart on near ties, so exact agreement is not the
+    contract; a floor is, since two runtimes of one model that diverge early
+    on most prompts are not serving the same model."""
     prompts = [f"{subject} is" for subject in (
         "The capital of France", "Water", "The moon", "Python", "A good breakfast", "The ocean", "Music",
         "The best way to learn", "A bicycle", "The internet", "Winter", "A library", "Coffee", "The sun",
@@ -262,6 +399,10 @@ async def test_cross_backend_greedy_agreement_report(tmp_path):
         results[backend] = [(await _collect(engine, _gen(p, max_tokens=16, ignore_eos=True)))[0] for p in prompts]
         await engine.stop()
     for a, b in zip(results["llamacpp"], results["torch"]):
-        agreement.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+        assert len(a) == len(b) == 16
+        agreement.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), 16))
+    leading, full = sum(agreement), sum(a == 16 for a in agreement)
     record("llamacpp vs torch", "greedy agreement",
-           f"{sum(agreement)}/{16 * len(prompts)} leading tokens agree; {sum(a == 16 for a in agreement)}/20 prompts fully")
+           f"{leading}/{16 * len(prompts)} leading tokens agree; {full}/{len(prompts)} prompts fully")
+    # measured here (x86-64, 2 cores): 228/320 leading tokens, 11/20 prompts in full
+    assert leading >= 16 * len(prompts) // 2 and full >= 7, agreement

@@ -23,6 +23,8 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def test_health_check_daemon_and_models(daemon):
+    with Client(daemon.address) as client:
+        client.load("minilm")  # a no-op when it is loaded already
     with grpc.insecure_channel(daemon.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status == SERVING
@@ -34,6 +36,7 @@ def test_health_check_daemon_and_models(daemon):
 
 def test_health_watch_follows_a_model_through_load_and_unload(daemon):
     seen: list[int] = []
+    ended: list[grpc.StatusCode] = []
     changed = threading.Condition()
     with grpc.insecure_channel(daemon.address) as channel, Client(daemon.address) as client:
         health = health_pb2_grpc.HealthStub(channel)
@@ -45,8 +48,8 @@ def test_health_watch_follows_a_model_through_load_and_unload(daemon):
                     with changed:
                         seen.append(message.status)
                         changed.notify_all()
-            except grpc.RpcError:
-                pass  # cancelled at the end of the test
+            except grpc.RpcError as exc:
+                ended.append(exc.code())
 
         thread = threading.Thread(target=follow, daemon=True)
         thread.start()
@@ -62,6 +65,9 @@ def test_health_watch_follows_a_model_through_load_and_unload(daemon):
         client.unload("watched")
         wait_for(NOT_SERVING)
         stream.cancel()
+        thread.join(30)
+    # the watch ran until this test cancelled it, not until an error ended it
+    assert ended == [grpc.StatusCode.CANCELLED]
     last_not_serving = max(i for i, status in enumerate(seen) if status == NOT_SERVING)
     assert seen.index(SERVING) < last_not_serving
 
@@ -118,6 +124,7 @@ def _cli(*args):
 
 
 def test_command_line_client(daemon):
+    assert _cli("load", "minilm", "--address", daemon.address).returncode == 0
     listing = _cli("models", "--address", daemon.address)
     assert listing.returncode == 0 and "minilm\t1\tREADY" in listing.stdout
     health = _cli("health", "--address", daemon.address)

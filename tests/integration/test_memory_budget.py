@@ -52,7 +52,10 @@ def _metric(daemon, name: str, **labels) -> float:
     label_text = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     pattern = re.escape(f"{name}{{{label_text}}}" if labels else name) + r" ([0-9.e+]+)"
     match = re.search(pattern, text)
-    return float(match.group(1)) if match else 0.0
+    # a missing series is a failure, not a zero: a renamed metric would
+    # otherwise pass every "== 0" check
+    assert match, f"no {name}{labels or ''} in /metrics"
+    return float(match.group(1))
 
 
 def test_lru_eviction_sequence(small_daemon):

@@ -20,6 +20,7 @@ LONG_TEXT = " ".join(["a long sentence keeps the model busy for a while"] * 30)
 def test_graceful_shutdown_with_calls_in_flight():
     daemon = start_daemon("--no-preload", env={"MODELD_DRAIN_DELAY_S": "1.0", "MODELD_SHUTDOWN_GRACE_S": "30"})
     statuses: list[int] = []
+    ended: list[grpc.StatusCode] = []
     with Client(daemon.address, timeout=60) as client, grpc.insecure_channel(daemon.address) as channel:
         client.load("minilm")
         watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
@@ -28,10 +29,11 @@ def test_graceful_shutdown_with_calls_in_flight():
             try:
                 for message in watch:
                     statuses.append(message.status)
-            except grpc.RpcError:
-                pass
+            except grpc.RpcError as exc:
+                ended.append(exc.code())
 
-        threading.Thread(target=follow, daemon=True).start()
+        follower = threading.Thread(target=follow, daemon=True)
+        follower.start()
         with ThreadPoolExecutor(16) as pool:
             futures = [pool.submit(client.embed, [LONG_TEXT] * 4) for _ in range(8)]
             time.sleep(0.3)  # the calls are in flight
@@ -49,4 +51,8 @@ def test_graceful_shutdown_with_calls_in_flight():
     assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
     assert statuses.index(health_pb2.HealthCheckResponse.SERVING) < statuses.index(health_pb2.HealthCheckResponse.NOT_SERVING)
     assert daemon.proc.wait(60) == 0
+    follower.join(30)
+    # the watch ended because the daemon stopped or this test closed its
+    # channel, whichever came first, and not with an error of the daemon's
+    assert len(ended) == 1 and ended[0] in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE), ended
     assert daemon.events("daemon_draining") and daemon.events("daemon_stopped")

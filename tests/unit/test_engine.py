@@ -27,11 +27,13 @@ SPEC = (TensorSpec("x", "FP32", (-1, 2)),)
 
 
 class ScriptedModel(LoadedModel):
-    def __init__(self, owner: "ScriptedBackend") -> None:
-        self.owner, self.nbytes, self.inputs, self.outputs = owner, owner.nbytes, SPEC, (TensorSpec("y", "FP32", (-1, 2)),)
+    def __init__(self, owner: "ScriptedBackend", name: str) -> None:
+        self.owner, self.name = owner, name
+        self.nbytes, self.inputs, self.outputs = owner.nbytes, SPEC, (TensorSpec("y", "FP32", (-1, 2)),)
 
     def execute(self, inputs, output_names):
-        self.owner.gate.wait(5)
+        if self.name in self.owner.held:
+            assert self.owner.gate.wait(5), "test gate never opened"
         self.owner.runs += 1
         if self.owner.fail_runs:
             raise BackendFailure(f"{self.owner.name} crashed")
@@ -48,8 +50,9 @@ class ScriptedBackend(Backend):
         self.name, self.priority, self.offset = name, priority, offset
         self.nbytes, self.loads, self.unloads, self.runs = 100, 0, 0, 0
         self.fail_load = self.fail_runs = False
+        # runs of the models named in `held` block until `gate` opens
+        self.held: set[str] = set()
         self.gate = threading.Event()
-        self.gate.set()
 
     def can_serve(self, config, model_dir) -> Verdict:
         return Verdict.yes()
@@ -61,7 +64,7 @@ class ScriptedBackend(Backend):
         self.loads += 1
         if self.fail_load:
             raise LoadFailed(f"{self.name} refuses")
-        return ScriptedModel(self)
+        return ScriptedModel(self, config.name)
 
 
 @pytest.fixture
@@ -80,6 +83,11 @@ def _engine(tmp_path: Path, budget: int = 1000) -> Engine:
         (root / name).mkdir(parents=True)
         (root / name / "model.toml").write_text("[batching]\nmax_batch_size = 8\n")
     return Engine(ModelRepository(root, tmp_path / "inline"), BackendRegistry(), MemoryManager(budget), Metrics())
+
+
+async def _until(predicate) -> None:
+    while not predicate():
+        await asyncio.sleep(0.001)
 
 
 def _request(model="m", value=0.0):
@@ -118,15 +126,21 @@ async def test_run_time_failure_moves_the_model_to_the_next_backend(backends, tm
 async def test_model_with_requests_in_flight_is_not_evicted(backends, tmp_path):
     fast, _ = backends
     engine = _engine(tmp_path, budget=200)  # two models fit
-    await engine.load("m")
-    await engine.load("n")
-    fast.gate.clear()  # the next run blocks inside the backend
+    m, n = await engine.load("m"), await engine.load("n")
+    fast.held.add("m")  # m's run blocks inside the backend
     busy = asyncio.create_task(engine.infer(_request("m")))
-    await asyncio.sleep(0.05)
-    await engine.load("o")  # m is least recently used but busy: n goes
-    assert engine.state_of("m") is ModelState.READY and engine.state_of("n") is ModelState.UNAVAILABLE
-    fast.gate.set()
-    assert (await busy).outputs["y"].shape == (1, 2)
+    try:
+        await asyncio.wait_for(_until(lambda: engine.memory.entry(m.key).num_in_flight == 1), 5)
+        # A request to n after m's makes m the least recently used model, so
+        # plain LRU order would pick m: only the in-flight guard can spare it.
+        await engine.infer(_request("n"))
+        assert engine.memory.keys_lru_first() == [m.key, n.key]
+        await engine.load("o")
+        assert engine.state_of("m") is ModelState.READY and engine.state_of("n") is ModelState.UNAVAILABLE
+        assert fast.unloads == 1 and not busy.done()
+    finally:
+        fast.gate.set()
+    np.testing.assert_array_equal((await busy).outputs["y"], [[1.0, 1.0]])
 
 
 async def test_invalid_input_is_rejected_before_batching(backends, tmp_path):
