@@ -53,6 +53,7 @@ bench: models
 	$(BIN)/python bench/bench_minilm.py
 	$(BIN)/python bench/bench_llamacpp.py
 	$(BIN)/python bench/bench_torch.py
+	$(BIN)/python bench/bench_http.py
 
 proto: $(STAMP)
 	$(BIN)/python gen/build.py
