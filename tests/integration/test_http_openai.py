@@ -60,16 +60,19 @@ def _grpc(stub, max_tokens: int, messages=None, prompt=None, **sampling):
 _FINISH = {g.FINISH_REASON_STOP: "stop", g.FINISH_REASON_LENGTH: "length"}
 
 
-def _metric(daemon, name: str, **labels) -> float:
+def _metric(daemon, name: str, default: float | None = None, **labels) -> float:
+    """A sample's value; a missing one fails unless a default says it may not exist yet
+    (a renamed gauge read as 0 would make "back to 0" checks pass by themselves)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics").read().decode()
     for line in text.splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    assert default is not None, f"no sample {name} {labels} in /metrics"
+    return default
 
 
-def _running(daemon) -> float:
-    return _metric(daemon, "modeld_running_sequences", backend="llamacpp", model="smollm2")
+def _running(daemon, default: float | None = None) -> float:
+    return _metric(daemon, "modeld_running_sequences", default, backend="llamacpp", model="smollm2")
 
 
 # -- generation through the SDK equals gRPC Generate ---------------------------------------
@@ -354,7 +357,7 @@ def test_a_stream_that_cannot_start_answers_with_its_status(raw):
 
 def test_failures_are_counted_by_model_and_protocol(raw, daemon):
     labels = dict(model="smollm2", status="INVALID_ARGUMENT", protocol="http")
-    before = _metric(daemon, "modeld_request_failures_total", **labels)
+    before = _metric(daemon, "modeld_request_failures_total", default=0.0, **labels)  # none failed yet
     _error(raw.post("/v1/chat/completions", json={**_BASE["/v1/chat/completions"], "n": 3}), 400)
     assert _metric(daemon, "modeld_request_failures_total", **labels) == before + 1
 
@@ -406,7 +409,7 @@ def test_closing_a_stream_frees_the_sequence(daemon):
 def test_a_client_that_leaves_a_plain_request_frees_the_sequence(daemon):
     body = {"model": "smollm2", "prompt": "Count to one thousand:", "max_tokens": 2000, "ignore_eos": True}
     url = f"http://127.0.0.1:{daemon.http_port}/v1/completions"
-    started = _metric(daemon, "modeld_generated_tokens_total", backend="llamacpp", model="smollm2")
+    started = _metric(daemon, "modeld_generated_tokens_total", 0.0, backend="llamacpp", model="smollm2")
 
     outcome = []
 
@@ -419,7 +422,7 @@ def test_a_client_that_leaves_a_plain_request_frees_the_sequence(daemon):
     thread = threading.Thread(target=leave_early)
     thread.start()
     deadline = time.monotonic() + 30
-    while _running(daemon) != 1 and time.monotonic() < deadline:
+    while _running(daemon, default=0.0) != 1 and time.monotonic() < deadline:  # no step yet: no gauge
         time.sleep(0.05)
     thread.join()
     assert outcome == ["left"]
