@@ -341,3 +341,15 @@ def test_full_request_response_round_trip_of_numeric_tensors():
     request = request_from_proto(raw_request(("x", "FP32", [2, 4], data.tobytes())))
     response = response_to_proto(InferResult("m", "1", "", {"x": request.inputs["x"]}, "reference"))
     assert response.raw_output_contents[0] == data.tobytes()
+
+
+def test_a_parameter_a_tensor_model_does_not_understand_is_refused_by_name():
+    msg = raw_request(("x", "FP32", [1], np.float32(1).tobytes()))
+    msg.parameters["temperature"].double_param = 0.5
+    with pytest.raises(InvalidArgument, match="'temperature'"):
+        request_from_proto(msg)
+    msg.parameters.clear()
+    msg.parameters["priority"].uint64_param = 2
+    msg.parameters["timeout"].int64_param = 1_500_000
+    request = request_from_proto(msg)
+    assert request.priority == 2 and request.timeout_s == 1.5
