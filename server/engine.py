@@ -263,10 +263,10 @@ class Engine:
         if isinstance(loaded, GenerativeModel):
             return ServedModel(config, source, backend, loaded, None, stats)
         name, backend_name = config.name, backend.name
-        served = ServedModel(config, source, backend, loaded, None, stats)
+        served = ServedModel(config, source, backend, loaded, None, stats, warmed_up=not config.warmup)
 
         def on_batch(report: BatchReport) -> None:
-            if not served.warmed_up and config.warmup:
+            if not served.warmed_up:
                 return  # the warm-up batch is not traffic
             stats.record_batch(report)
             self.metrics.batch_size.labels(name, backend_name).observe(report.batch_size)
@@ -478,7 +478,7 @@ async def _deadline(timeout_s: float | None):
         async with asyncio.timeout(timeout_s):
             yield
     except TimeoutError:
-        raise DeadlineExceeded(f"the request's timeout of {timeout_s:g} s passed before it finished") from None
+        raise _timed_out(timeout_s) from None
 
 
 async def _next_event(events: AsyncIterator, deadline: float | None, timeout_s: float | None):
@@ -489,7 +489,11 @@ async def _next_event(events: AsyncIterator, deadline: float | None, timeout_s: 
     try:
         return await asyncio.wait_for(events.__anext__(), max(deadline - time.monotonic(), 0.0))
     except TimeoutError:
-        raise DeadlineExceeded(f"the request's timeout of {timeout_s:g} s passed before it finished") from None
+        raise _timed_out(timeout_s) from None
+
+
+def _timed_out(timeout_s: float) -> DeadlineExceeded:
+    return DeadlineExceeded(f"the request's timeout of {timeout_s:g} s passed before it finished")
 
 
 def _generation_capabilities(request: GenerateRequest) -> frozenset[Capability]:

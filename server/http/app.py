@@ -11,6 +11,7 @@ runs the endpoint so streaming bodies see them too).
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 
 import structlog
@@ -100,6 +101,37 @@ async def read_body(request: Request) -> bytes:
     if limit and (len(data) > limit or inflater.unconsumed_tail):
         raise _too_large(f"more than {limit} (decompressed)", limit)
     return data
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+async def unless_client_leaves(request: Request, awaitable):
+    """Await `awaitable`; if the client disconnects first, cancel it (a queued
+    request leaves its queue, a sequence the batch: nobody will read the
+    answer, as grpc.aio cancels a call whose client went away) and raise
+    ClientGone. The body must have been read: the next message can then only
+    be the disconnect."""
+    async def wait_for_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work.cancel()
+        watch.cancel()
+        await asyncio.wait({work})  # its cleanup must finish before the caller closes what it used
+        raise
+    watch.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    await asyncio.wait({work})  # its cleanup releases the sequence before we answer
+    raise ClientGone()
 
 
 class RequestIdMiddleware:

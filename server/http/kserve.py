@@ -14,7 +14,6 @@ elements carry the 4-byte little-endian length prefix, as in gRPC).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import functools
@@ -32,7 +31,7 @@ from modeld.backends.dtypes import NUMPY_BY_DATATYPE
 from modeld.backends.errors import ErrorKind, InvalidArgument, ModeldError, NotFound
 from modeld.gen import inference_pb2 as pb
 from modeld.server.engine import MODEL_VERSION
-from modeld.server.http.app import internal_message, read_body, status_of_error
+from modeld.server.http.app import ClientGone, internal_message, read_body, status_of_error, unless_client_leaves
 from modeld.server.request_context import current_request_id
 from modeld.server.requests import ModelState
 from modeld.server.services.convert import encode_bytes, parameter_value, request_from_proto, response_to_proto
@@ -226,8 +225,10 @@ class _KServe:
         name, version = _model_of(request)
         body = await read_body(request)
         msg, binary = _infer_request(name, version, body, request.headers.get(HEADER_LENGTH))
-        response = await _unless_disconnected(request, self._run(msg))
-        if response is None:
+        try:
+            response = await unless_client_leaves(request, self._run(msg))
+        except ClientGone:
+            log.info("http_client_disconnected", path=request.url.path)
             return Response(status_code=499)  # nobody is left to read it
         return _infer_response(response, binary)
 
@@ -236,30 +237,6 @@ class _KServe:
         if served.is_generative:
             return await complete_text(self.engine, msg, current_request_id())
         return response_to_proto(await self.engine.infer(request_from_proto(msg, current_request_id())))
-
-
-async def _unless_disconnected(request: Request, work):
-    """`work`'s result, or None once the client has gone: its work is
-    cancelled then (a queued request leaves its queue, a sequence the
-    batch), as grpc.aio cancels a call whose client went away."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        # the body is read: the next message can only be the disconnect
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        task.cancel()
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        return await task
-    except asyncio.CancelledError:
-        if not watcher.done() or watcher.cancelled():
-            raise  # the server cancelled this request, not the client
-        log.info("http_client_disconnected", path=request.url.path)
-        return None
-    finally:
-        watcher.cancel()
 
 
 # -- request decoding ----------------------------------------------------------

@@ -28,7 +28,7 @@ from modeld.backends.errors import Cancelled, ErrorKind, InvalidArgument, Modeld
 from modeld.backends.generation.params import (
     ChatMessage, FinalEvent, FinishReason, GenerateRequest, SamplingParams, SpeculativeMode, TokenEvent,
 )
-from modeld.server.http.app import internal_message, read_body, status_of_error
+from modeld.server.http.app import ClientGone, internal_message, read_body, status_of_error, unless_client_leaves
 from modeld.server.request_context import current_request_id
 from modeld.server.requests import InferRequest
 
@@ -69,10 +69,6 @@ class FieldError(InvalidArgument):
     def __init__(self, param: str | None, message: str) -> None:
         super().__init__(message)
         self.param = param
-
-
-class _ClientGone(Exception):
-    """The client disconnected before the answer was ready."""
 
 
 def error_response(exc: BaseException, engine, model: str) -> JSONResponse:
@@ -387,31 +383,6 @@ async def _events(engine, request: GenerateRequest) -> AsyncIterator[TokenEvent 
         await events.aclose()
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_client_leaves(request: Request, awaitable):
-    """Await `awaitable`; if the client disconnects first, cancel it (a
-    generation nobody will read must not run to max_tokens)."""
-    work = asyncio.ensure_future(awaitable)
-    watch = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        work.cancel()
-        watch.cancel()
-        await asyncio.wait({work})  # its cleanup must finish before the caller closes what it used
-        raise
-    watch.cancel()
-    if work in done:
-        return work.result()
-    work.cancel()
-    await asyncio.wait({work})  # its cleanup releases the sequence before we answer
-    raise _ClientGone()
-
-
 class _EventStream(StreamingResponse):
     """Server-sent events whose producer is closed however the response
     ends: on a client disconnect starlette either cancels the producer or
@@ -465,13 +436,13 @@ class _Generation:
         events = _events(self.engine, self.request)
         if not self.stream:
             try:
-                return JSONResponse(await _unless_client_leaves(self.http, self._whole(events)))
+                return JSONResponse(await unless_client_leaves(self.http, self._whole(events)))
             finally:
                 await events.aclose()
         # errors before the first token (unknown model, prompt too long)
         # still get their HTTP status: the stream starts after it
         try:
-            first = await _unless_client_leaves(self.http, anext(events))
+            first = await unless_client_leaves(self.http, anext(events))
         except BaseException:
             await events.aclose()
             raise
@@ -631,7 +602,7 @@ def routes(engine, lifecycle) -> list[BaseRoute]:
             body = await _json_body(request)
             model = body.get("model") if isinstance(body.get("model"), str) else ""
             return await _Generation(engine, request, body, chat).respond()
-        except _ClientGone:
+        except ClientGone:
             engine.count_failure(model, ErrorKind.CANCELLED)
             return Response(status_code=499)  # nobody reads it; for the access log
         except Exception as exc:  # noqa: BLE001 - every failure answers in OpenAI's shape
