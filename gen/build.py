@@ -17,7 +17,7 @@ from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent.parent / "proto"
 GEN_DIR = Path(__file__).resolve().parent
-PROTOS = ("inference.proto", "generation.proto")
+PROTOS = ("inference.proto", "generation.proto", "node.proto")
 
 
 def generate(out_dir: Path) -> list[Path]:
