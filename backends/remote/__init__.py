@@ -1,0 +1,1 @@
+"""Remote engines as backends: any OpenAI-compatible server, vLLM, SGLang, TGI."""

@@ -1,0 +1,1 @@
+"""The gateway: one gRPC address in front of many daemons."""
