@@ -34,7 +34,7 @@ log = structlog.get_logger("modeld.daemon")
 _HEALTH_BY_STATE = {ModelState.READY: health_pb2.HealthCheckResponse.SERVING}
 
 
-def _reflection_pool():
+def reflection_pool():
     # Reflection reads one pool: ours, holding the inference service, plus
     # copies of the health and reflection files from the default pool.
     for file in (health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR):
@@ -122,7 +122,7 @@ class Daemon:
             [inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
              generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
              health.SERVICE_NAME, reflection.SERVICE_NAME],
-            self.server, pool=_reflection_pool())
+            self.server, pool=reflection_pool())
         self.port = self.server.add_insecure_port(f"{s.host}:{s.grpc_port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {s.host}:{s.grpc_port}")

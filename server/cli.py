@@ -26,6 +26,20 @@ def _serve_args(sub) -> None:
     p.add_argument("--log-format", dest="log_format", choices=["json", "console"])
 
 
+def _gateway_args(sub) -> None:
+    p = sub.add_parser("gateway", help="route calls across many daemons (one address in front of a fleet)")
+    p.add_argument("--node", action="append", default=[], metavar="HOST:PORT",
+                   help="a daemon's gRPC address (repeatable)")
+    p.add_argument("--dns", metavar="NAME:PORT",
+                   help="a name resolving to every daemon (a Kubernetes headless Service), re-resolved periodically")
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    p.add_argument("--grpc-port", dest="grpc_port", type=int, help="gRPC port (default 8001; 0 picks a free one)")
+    p.add_argument("--metrics-port", dest="metrics_port", type=int, help="Prometheus port (default 8002; -1 off)")
+    p.add_argument("--replicas", type=int, help="nodes that serve each model (default 2)")
+    p.add_argument("--config", type=Path, help="TOML file with a [gateway] table")
+    p.add_argument("--log-format", dest="log_format", choices=["json", "console"])
+
+
 def _client_args(sub) -> None:
     for name, help_text in (("models", "list models and their state"), ("health", "check daemon or model health")):
         p = sub.add_parser(name, help=help_text)
@@ -51,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="modeld", description="gRPC model-serving daemon")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_args(sub)
+    _gateway_args(sub)
     _client_args(sub)
     return parser
 
@@ -59,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "gateway":
+        return gateway(args)
     if args.command == "prepare":
         from modeld.server.prepare import prepare_repository
 
@@ -82,6 +99,24 @@ def serve(args) -> int:
     configure_logging(settings.log_level, settings.log_format)
     print(f"modeld: {settings.describe()}", file=sys.stderr, flush=True)
     asyncio.run(Daemon(settings).run_until_signalled())
+    return 0
+
+
+def gateway(args) -> int:
+    from modeld.server.gateway.app import Gateway
+    from modeld.server.gateway.config import GatewayConfigError, load_gateway_settings
+    from modeld.server.logging import configure_logging
+
+    flags = {"nodes": args.node, **{k: getattr(args, k) for k in ("dns", "host", "grpc_port", "metrics_port",
+                                                                   "replicas", "log_format")}}
+    try:
+        settings = load_gateway_settings(flags, config_file=args.config)
+    except GatewayConfigError as exc:
+        print(f"modeld: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level, settings.log_format)
+    print(f"modeld: {settings.describe()}", file=sys.stderr, flush=True)
+    asyncio.run(Gateway(settings).run_until_signalled())
     return 0
 
 

@@ -53,7 +53,7 @@ class DaemonProcess:
         raise RuntimeError("no VmRSS")
 
 
-def _pump(daemon: DaemonProcess, started: threading.Event) -> None:
+def _pump(daemon: DaemonProcess, started: threading.Event, ready_event: str = "daemon_started") -> None:
     for line in daemon.proc.stderr:
         daemon._lines.append(line)
         try:
@@ -61,7 +61,7 @@ def _pump(daemon: DaemonProcess, started: threading.Event) -> None:
         except json.JSONDecodeError:
             continue
         daemon.logs.append(event)
-        if event.get("event") == "daemon_started":
+        if event.get("event") == ready_event:
             daemon.port, daemon.metrics_port = event["grpc_port"], event["metrics_port"]
             daemon.http_port = event.get("http_port") or 0
             started.set()
@@ -98,3 +98,23 @@ def _wait_preloaded(daemon: DaemonProcess, repository: Path | None, deadline: fl
             return
         time.sleep(0.1)
     raise RuntimeError("models did not preload")
+
+
+def start_gateway(*nodes: str, args: tuple[str, ...] = (), env: dict | None = None,
+                  timeout: float = 60) -> DaemonProcess:
+    """A `modeld gateway` subprocess on a free loopback port in front of `nodes`."""
+    cmd = [sys.executable, "-m", "modeld.server.cli", "gateway", "--grpc-port", "0", "--metrics-port", "0",
+           "--log-format", "json"]
+    for node in nodes:
+        cmd += ["--node", node]
+    proc = subprocess.Popen(cmd + list(args), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, **(env or {})}, cwd=ROOT)
+    gateway = DaemonProcess(proc)
+    started = threading.Event()
+    threading.Thread(target=_pump, args=(gateway, started, "gateway_started"), daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not started.wait(0.1):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("gateway did not start:\n" + "".join(gateway._lines[-30:]))
+    return gateway

