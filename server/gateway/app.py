@@ -85,6 +85,8 @@ class Gateway:
                         ready = node in routable and model.state == "READY"
                         if ready or model.name not in view:
                             view[model.name] = _SERVING if ready else _NOT_SERVING
+                for name in self._health_view.keys() - view.keys():
+                    view[name] = _NOT_SERVING  # no node lists it any more
                 for name, status in view.items():
                     if self._health_view.get(name) != status:
                         await self.health.set(name, status)

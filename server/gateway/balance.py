@@ -34,6 +34,9 @@ NodePredicate = Callable[[str], bool]
 NodeMeasure = Callable[[str], float]
 
 
+RESIDENT_SLACK = 2.0  # how far past the bound a replica holding the model still takes calls
+
+
 class PickReason(str, Enum):
     RING = "ring"  # the only good replica within the bound
     P2C = "p2c"  # power of two choices among good replicas
@@ -95,15 +98,19 @@ def place(
     bound: float = 1.25,
     loaded: NodePredicate | None = None,
     prefix: Mapping[str, int] | None = None,
+    fleet_load: tuple[float, int] | None = None,
 ) -> Pick | None:
     """Where a call for `key` (a model id) goes; None when no node is admitted.
 
     Each callback is called at most once per node per placement, and
     `admitted` only as a check (breaker.would_allow): the caller takes the
-    breaker's probe with allow() on the node it then calls.
+    breaker's probe with allow() on the node it then calls. `fleet_load`,
+    (total load, admitted nodes), spares the survey of every node that the
+    capacity needs; a caller placing many calls may pass a figure a few
+    milliseconds old.
     """
     view = _FleetView(admitted, load, score, min_score)
-    total_load, num_admitted = view.survey(ring.nodes)
+    total_load, num_admitted = fleet_load if fleet_load is not None else view.survey(ring.nodes)
     if not num_admitted:
         return None
     view.capacity = capacity(total_load, num_admitted, bound)
@@ -174,9 +181,9 @@ class _FleetView:
         """Admitted and healthy enough to be chosen on purpose."""
         return self.is_admitted(node) and self.score(node) > self._min_score
 
-    def fits(self, node: str) -> bool:
-        """Within the load bound, counting the call being placed."""
-        return self.load(node) + 1 <= self.capacity
+    def fits(self, node: str, slack: float = 1.0) -> bool:
+        """Within the load bound (times `slack`), counting the call being placed."""
+        return self.load(node) + 1 <= self.capacity * slack
 
 
 def _place_on_replicas(
@@ -190,9 +197,13 @@ def _place_on_replicas(
     prefix: Mapping[str, int] | None,
 ) -> Pick:
     resident = [r for r in eligible if loaded(r)] if loaded is not None else []
-    # a resident replica that is full does not beat a non-resident one with
-    # room: both would cost the same load elsewhere, spilling off the replicas
-    pool = [r for r in resident if view.fits(r)] or [r for r in eligible if view.fits(r)]
+    # A replica that must load the model first pays seconds for that call
+    # and may evict another model, which the next call of that one pays for
+    # again: where memory holds fewer models than the ring asks of a node,
+    # sending calls to a second home whenever the first is at the bound makes
+    # both homes load and evict by turns. So a resident replica takes calls
+    # up to RESIDENT_SLACK times the bound before one without the model does.
+    pool = [r for r in resident if view.fits(r, RESIDENT_SLACK)] or [r for r in eligible if view.fits(r)]
     if pool:
         return _choose_within(pool, view, rng, prefix)
     spill = next((n for n in _past_replicas(key, ring, len(replicas)) if view.is_eligible(n) and view.fits(n)), None)

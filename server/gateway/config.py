@@ -53,7 +53,7 @@ def _typed(cls, table: dict, where: str):
     values = {}
     for key, value in table.items():
         if key not in known:
-            raise GatewayConfigError(f"unknown key {where}{key!r}; known: {', '.join(sorted(known))}")
+            raise GatewayConfigError(f"unknown key {where}{key}; known: {', '.join(sorted(known))}")
         default = getattr(cls(), key)
         if isinstance(default, tuple):
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -79,7 +79,10 @@ def load_gateway_settings(flags: dict, config_file: Path | None = None) -> Gatew
     values = _typed(GatewaySettings, {k: v for k, v in table.items()}, "gateway.")
     for name, cls in _SECTIONS.items():
         if name in nested:
-            values[name] = cls(**_typed(cls, nested[name], f"gateway.{name}."))
+            try:
+                values[name] = cls(**_typed(cls, nested[name], f"gateway.{name}."))
+            except ValueError as exc:
+                raise GatewayConfigError(f"gateway.{name}: {exc}") from None
     for key, value in flags.items():
         if value is None or value == [] or value == ():
             continue

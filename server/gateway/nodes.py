@@ -22,6 +22,7 @@ from modeld.server.gateway.score import NodeHealth
 log = structlog.get_logger("modeld.gateway")
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
+SCORE_TTL_S = 0.05
 
 
 class Node:
@@ -57,6 +58,8 @@ class Node:
         self.stats: node_pb2.NodeStats | None = None
         self.stats_at = 0.0
         self.in_flight = 0          # calls this gateway has open on the node
+        self._score, self._score_at = 1.0, -1.0
+        self._ready_models: frozenset[str] = frozenset()
         self.calls: set[asyncio.Task] = set()   # tasks awaiting a unary call here
         self._abandoned: set[asyncio.Task] = set()
         self._methods: dict[tuple[str, str], object] = {}
@@ -71,18 +74,23 @@ class Node:
             and self.breaker.would_allow()
 
     def load(self) -> float:
-        """Calls this gateway has open there, plus the queue the node reports
-        (work other gateways sent it)."""
-        queued = self.stats.queue_depth if self.stats is not None else 0
-        return self.in_flight + queued
+        """Calls in flight there: this gateway's own count, which is exact
+        and current, or the node's, which also holds other gateways' calls
+        but is up to one poll old; the larger. (Adding them would count this
+        gateway's calls twice.)"""
+        reported = self.stats.in_flight if self.stats is not None else 0
+        return max(self.in_flight, reported)
 
     def has_model(self, model: str) -> bool:
-        if self.stats is None:
-            return False
-        return any(m.name == model and m.state == "READY" for m in self.stats.models)
+        return model in self._ready_models
 
     def score(self) -> float:
-        return self.health.score()
+        """The health score, recomputed at most every SCORE_TTL_S: it moves
+        over seconds, and routing asks for it several times per call."""
+        now = time.monotonic()
+        if now - self._score_at > SCORE_TTL_S:
+            self._score, self._score_at = self.health.score(), now
+        return self._score
 
     # -- calls -----------------------------------------------------------------
 
@@ -218,6 +226,7 @@ class Node:
                     log.info("node_responsive", node=self.name, address=self.address)
                 self._take_stats(stats)
             self.metrics.score.labels(self.address).set(self.score())
+            self.metrics.in_flight.labels(self.address).set(self.in_flight)
             await asyncio.sleep(max(0.0, s.stats_interval_s - (time.monotonic() - started)))
 
     def _take_stats(self, stats: node_pb2.NodeStats) -> None:
@@ -228,6 +237,7 @@ class Node:
         self.health.set_in_flight(max(self.in_flight, stats.in_flight))
         first = self.stats_at == 0.0
         self.stats, self.stats_at = stats, time.monotonic()
+        self._ready_models = frozenset(m.name for m in stats.models if m.state == "READY")
         if self.settings.dns and (first or stats.node_id and stats.node_id != self.name):
             self.name = stats.node_id or self.address
             self._on_change(self)
@@ -254,6 +264,7 @@ class Fleet:
         self.by_address: dict[str, Node] = {}
         self.by_name: dict[str, Node] = {}
         self.listeners: list[Callable[[], None]] = []
+        self._closing: set[asyncio.Task] = set()
 
     def set_addresses(self, addresses: set[str]) -> None:
         for address in addresses - self.by_address.keys():
@@ -263,7 +274,10 @@ class Fleet:
             log.info("node_added", address=address)
         for address in self.by_address.keys() - addresses:
             node = self.by_address.pop(address)
-            asyncio.get_running_loop().create_task(node.close())
+            node._abandon_calls()  # its waiting calls move to other nodes now
+            closing = asyncio.get_running_loop().create_task(node.close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
             log.info("node_removed", node=node.name, address=address)
         self.metrics.nodes.set(len(self.by_address))
         self._rebuild()

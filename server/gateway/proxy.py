@@ -38,22 +38,29 @@ _URGENCIES = ("low", "normal", "high", "critical")
 # hop-by-hop and transport headers grpc sets itself on the next hop
 _DROPPED = frozenset({"user-agent", "te", "content-type", "grpc-accept-encoding", "grpc-encoding", "grpc-timeout"})
 _STATE_RANK = {"READY": 3, "LOADING": 2, "UNLOADING": 1}
+FLEET_LOAD_TTL_S = 0.005
 
 
 class CallFailed(Exception):
-    """A node's answer that must reach the client as a status."""
+    """A node's answer that must reach the client as a status (with the
+    node's trailing metadata, its request id among them)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, trailers=()) -> None:
         super().__init__(details)
-        self.code, self.details = code, details
+        self.code, self.details, self.trailers = code, details, tuple(trailers or ())
+
+    @classmethod
+    def from_rpc(cls, exc: grpc.aio.AioRpcError) -> CallFailed:
+        return cls(exc.code(), exc.details() or exc.code().name, exc.trailing_metadata())
 
 
 class CallOptions:
     """What the client's metadata asks of this call."""
 
-    __slots__ = ("metadata", "request_id", "update", "urgent", "timeout")
+    __slots__ = ("metadata", "request_id", "update", "urgent", "_context")
 
     def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
         metadata, request_id, self.update, self.urgent = [], None, False, False
         for key, value in context.invocation_metadata() or ():
             if key.startswith(":") or key in _DROPPED:
@@ -76,7 +83,12 @@ class CallOptions:
         self.request_id = request_id or new_request_id()
         metadata.append((REQUEST_ID_HEADER, self.request_id))
         self.metadata = tuple(metadata)
-        self.timeout = context.time_remaining()
+
+    @property
+    def timeout(self) -> float | None:
+        """The client's time left, read per attempt: a retry or a hedge
+        must not get the whole of the original deadline again."""
+        return self._context.time_remaining()
 
 
 def prompt_key(request: generation_pb2.GenerateRequest) -> str:
@@ -110,6 +122,29 @@ class Router:
         self.prefixes = PrefixIndex()
         self.latency = LatencyTracker()
         self.hedge_budget = TokenBucket(settings.hedge_ratio)
+        self._warm_nodes: set[str] = set()
+        self._fleet_load_value, self._fleet_load_at = (0.0, 0), -1.0
+        self._pick_counters: dict[tuple[str, str], object] = {}
+        fleet.listeners.append(self._forget_cold_caches)
+
+    def _forget_cold_caches(self) -> None:
+        """A node that stopped serving (restarted, left) lost its KV cache:
+        its prefixes must not draw conversations back to it."""
+        serving = {name for name, node in self.fleet.by_name.items() if node.serving}
+        for name in self._warm_nodes - serving:
+            self.prefixes.remove_node(name)
+        self._warm_nodes = serving
+
+    def _fleet_load(self) -> tuple[float, int]:
+        """Total load and count of the nodes that may take calls, for the
+        load bound; surveyed at most every FLEET_LOAD_TTL_S, because with a
+        hundred nodes the survey would cost more than the hop."""
+        now = time.monotonic()
+        if now - self._fleet_load_at > FLEET_LOAD_TTL_S:
+            routable = self.fleet.routable()
+            self._fleet_load_value = (sum(n.load() for n in routable), len(routable))
+            self._fleet_load_at = now
+        return self._fleet_load_value
 
     def _admitted(self, exclude: frozenset[str]):
         by_name = self.fleet.by_name
@@ -143,13 +178,18 @@ class Router:
                 pick = place(model, self.fleet.ring, self.settings.replicas, admitted=admitted, load=self._load,
                              score=self._score, rng=self.rng, min_score=self.settings.min_score,
                              bound=self.settings.load_bound,
-                             loaded=lambda name: self.fleet.by_name[name].has_model(model), prefix=prefix)
+                             loaded=lambda name: self.fleet.by_name[name].has_model(model), prefix=prefix,
+                             fleet_load=None if exclude else self._fleet_load())
             if pick is None:
                 break
             node = self.fleet.by_name[pick.node]
             if node.breaker.allow():  # takes the half-open probe, if that is what it is
                 reason = getattr(pick.reason, "value", pick.reason)
-                self.metrics.picks.labels(node.address, reason).inc()
+                counter = self._pick_counters.get((node.address, reason))
+                if counter is None:  # labels() costs more than the rest of the pick's bookkeeping
+                    counter = self._pick_counters[node.address, reason] = self.metrics.picks.labels(
+                        node.address, reason)
+                counter.inc()
                 return node, reason
             exclude = exclude | {pick.node}
         raise CallFailed(grpc.StatusCode.UNAVAILABLE, self.why_unavailable(model))
@@ -189,40 +229,62 @@ class GatewayService:
 
     # -- plumbing --------------------------------------------------------------
 
-    async def _call(self, node: Node, method: str, data: bytes, opts: CallOptions, model: str = "") -> bytes:
+    async def _call(self, node: Node, method: str, data: bytes, opts: CallOptions, model: str = "",
+                    context=None, admitted: bool = True) -> bytes:
+        """One unary call on `node`. `model` names a data-plane call whose
+        latency feeds the node's score and the hedging delay (a model load
+        or a metadata call would skew both); `admitted` is False for a
+        fan-out that did not take the breaker's admission, whose outcome
+        then must not act as the breaker's probe."""
         node.in_flight += 1
         task = asyncio.current_task()
         node.calls.add(task)
         started = time.perf_counter()
+        timeout = opts.timeout
         code = grpc.StatusCode.OK
         try:
-            return await node.unary(method)(data, metadata=opts.metadata, timeout=opts.timeout)
+            call = node.unary(method)(data, metadata=opts.metadata, timeout=timeout)
+            reply = await call
+            if context is not None:
+                context.set_trailing_metadata(await call.trailing_metadata())
+            return reply
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
-            raise CallFailed(code, exc.details() or code.name) from None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None \
+                    and time.perf_counter() - started >= timeout * 0.95:
+                code = grpc.StatusCode.CANCELLED  # the client's own deadline ran out: no verdict on the node
+            raise CallFailed.from_rpc(exc) from None
         except asyncio.CancelledError:
             if node.claim_abandoned(task):
                 code = grpc.StatusCode.UNAVAILABLE
                 raise CallFailed(code, f"node {node.name} stopped answering its health probes while the call "
                                        "waited there") from None
+            if task.cancelling() == 0:  # not our cancel: the node's channel closed (it left the fleet)
+                code = grpc.StatusCode.UNAVAILABLE
+                raise CallFailed(code, f"node {node.name} left the fleet during the call") from None
             code = grpc.StatusCode.CANCELLED
             raise
+        except Exception as exc:  # noqa: BLE001 - e.g. a channel closed under us: the node, not the client
+            code = grpc.StatusCode.UNAVAILABLE
+            raise CallFailed(code, f"node {node.name}: {type(exc).__name__}: {exc}") from None
         finally:
             node.calls.discard(task)
             node.in_flight -= 1
             elapsed = time.perf_counter() - started
-            node.record(code, elapsed if code == grpc.StatusCode.OK else None)
+            if admitted:
+                node.record(code, elapsed if code == grpc.StatusCode.OK and model else None)
             if code == grpc.StatusCode.OK and model:
                 self.router.latency.record((node.name, model), elapsed)
 
     async def _routed_unary(self, method: str, data: bytes, opts: CallOptions, model: str,
-                            hedge: bool = False) -> bytes:
+                            hedge: bool = False, data_plane: bool = False, context=None) -> bytes:
         node, reason = self.router.place(model, update=opts.update)
         log.debug("routed", method=method, model=model, node=node.name, reason=reason, request_id=opts.request_id)
+        sample = model if data_plane else ""
         try:
             if hedge:
-                return await self._hedged(method, data, opts, model, node)
-            return await self._call(node, method, data, opts, model)
+                return await self._hedged(method, data, opts, model, node, context)
+            return await self._call(node, method, data, opts, sample, context)
         except CallFailed as exc:
             if exc.code != grpc.StatusCode.UNAVAILABLE:
                 raise
@@ -234,29 +296,31 @@ class GatewayService:
             self.metrics.retries.labels(method.rsplit("/", 1)[-1]).inc()
             log.info("retry", method=method, model=model, failed_node=node.name, node=retry.name,
                      reason=exc.details, request_id=opts.request_id)
-            return await self._call(retry, method, data, opts, model)
+            return await self._call(retry, method, data, opts, sample, context)
 
-    async def _hedged(self, method: str, data: bytes, opts: CallOptions, model: str, primary: Node) -> bytes:
+    async def _hedged(self, method: str, data: bytes, opts: CallOptions, model: str, primary: Node,
+                      context=None) -> bytes:
         """After the model's p95 on the primary, a copy to another replica;
         the first answer wins and the other call is cancelled."""
-        first = asyncio.ensure_future(self._call(primary, method, data, opts, model))
         p95 = self.router.latency.quantile((primary.name, model), 0.95)
         if p95 is None:
-            return await first
-        done, _ = await asyncio.wait({first}, timeout=max(p95, self.settings.hedge_min_delay_s))
-        if done:
-            return first.result()
-        second_node = self.router.hedge_target(model, primary)
-        if second_node is None or not self.router.hedge_budget.try_take() or not second_node.breaker.allow():
-            return await first
-        self.metrics.hedges_fired.labels(model).inc()
-        self.metrics.picks.labels(second_node.address, "hedge").inc()
-        log.info("hedge", model=model, node=second_node.name, primary=primary.name, after_s=round(p95, 4),
-                 request_id=opts.request_id)
-        second = asyncio.ensure_future(self._call(second_node, method, data, opts, model))
-        pending = {first, second}
-        failure: BaseException | None = None
+            return await self._call(primary, method, data, opts, model, context)
+        first = asyncio.ensure_future(self._call(primary, method, data, opts, model, context))
+        second = None
         try:
+            done, _ = await asyncio.wait({first}, timeout=max(p95, self.settings.hedge_min_delay_s))
+            if done:
+                return first.result()
+            second_node = self.router.hedge_target(model, primary)
+            if second_node is None or not self.router.hedge_budget.try_take() or not second_node.breaker.allow():
+                return await first
+            self.metrics.hedges_fired.labels(model).inc()
+            self.metrics.picks.labels(second_node.address, "hedge").inc()
+            log.info("hedge", model=model, node=second_node.name, primary=primary.name, after_s=round(p95, 4),
+                     request_id=opts.request_id)
+            second = asyncio.ensure_future(self._call(second_node, method, data, opts, model, context))
+            pending = {first, second}
+            failure: BaseException | None = None
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
@@ -268,13 +332,15 @@ class GatewayService:
                         failure = task.exception()
             raise failure
         finally:
+            # a client that left (or a deadline) while we waited must not
+            # leave either call running upstream
             for task in (first, second):
-                if not task.done():
+                if task is not None and not task.done():
                     task.cancel()
 
     @staticmethod
     async def _abort(context, exc: CallFailed):
-        await context.abort(exc.code, exc.details)
+        await context.abort(exc.code, exc.details, exc.trailers)
 
     # -- inference.GRPCInferenceService ----------------------------------------
 
@@ -300,10 +366,18 @@ class GatewayService:
                 hedge = hedgeable and not opts.update and (opts.urgent or model in self.settings.hedge_models)
                 if hedge:
                     self.router.hedge_budget.on_request()
-                return await self._routed_unary(method, data, opts, model, hedge)
+                return await self._routed_unary(method, data, opts, model, hedge, data_plane=hedgeable,
+                                                context=context)
             except CallFailed as exc:
                 code = exc.code.name
                 await self._abort(context, exc)
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
+            except Exception:
+                code = "UNKNOWN"
+                log.exception("gateway_call_failed", method=name)
+                raise
             finally:
                 self.metrics.calls.labels(name, code).inc()
                 self.metrics.latency.labels(name).observe(time.perf_counter() - started)
@@ -317,7 +391,8 @@ class GatewayService:
             if not nodes:
                 raise CallFailed(grpc.StatusCode.UNAVAILABLE, self.router.why_unavailable(""))
             method = f"/{INFERENCE}/RepositoryIndex"
-            replies = await asyncio.gather(*(self._call(n, method, data, opts) for n in nodes), return_exceptions=True)
+            replies = await asyncio.gather(*(self._call(n, method, data, opts, admitted=False) for n in nodes),
+                                           return_exceptions=True)
         except CallFailed as exc:
             await self._abort(context, exc)
         rows: dict[str, inference_pb2.RepositoryIndexResponse.ModelIndex] = {}
@@ -355,7 +430,7 @@ class GatewayService:
                            if self.fleet.by_name[n].routable]
                 if not targets:
                     raise CallFailed(grpc.StatusCode.UNAVAILABLE, self.router.why_unavailable(model))
-                replies = await asyncio.gather(*(self._call(n, method, data, opts) for n in targets),
+                replies = await asyncio.gather(*(self._call(n, method, data, opts, admitted=False) for n in targets),
                                                return_exceptions=True)
                 for node, reply in zip(targets, replies):
                     if isinstance(reply, BaseException):
@@ -397,31 +472,53 @@ class GatewayService:
                 await call.write(request)
             await call.done_writing()
 
-        async for reply in self._relay(node, call, pump, model, "ModelStreamInfer"):
+        async for reply in self._relay(node, call, pump, "ModelStreamInfer", context):
             yield reply
 
-    async def _relay(self, node: Node, call, pump, model: str, name: str,
+    async def _relay(self, node: Node, call, pump, name: str, context,
                      seen: list | None = None) -> AsyncIterator[bytes]:
+        """A stream's replies, passed on. Until its first reply the stream
+        counts among the node's waiting calls, so a node found frozen moves
+        it (CallFailed UNAVAILABLE, which Generate retries elsewhere); after
+        that it stays where its state is."""
         node.in_flight += 1
+        task = asyncio.current_task()
+        node.calls.add(task)
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         writer = asyncio.ensure_future(pump()) if pump is not None else None
         try:
             async for reply in call:
+                node.calls.discard(task)
                 if seen is not None:
                     seen.append(reply)
                 yield reply
+            context.set_trailing_metadata(await call.trailing_metadata())
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
-            raise CallFailed(code, exc.details() or code.name) from None
-        except (asyncio.CancelledError, GeneratorExit):
+            raise CallFailed.from_rpc(exc) from None
+        except asyncio.CancelledError:
+            if node.claim_abandoned(task):
+                code = grpc.StatusCode.UNAVAILABLE
+                raise CallFailed(code, f"node {node.name} stopped answering its health probes before the "
+                                       "stream's first reply") from None
+            if task.cancelling() == 0:
+                code = grpc.StatusCode.UNAVAILABLE
+                raise CallFailed(code, f"node {node.name} left the fleet during the stream") from None
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except GeneratorExit:
             code = grpc.StatusCode.CANCELLED
             raise
         finally:
-            if writer is not None and not writer.done():
-                writer.cancel()
+            node.calls.discard(task)
             if code != grpc.StatusCode.OK:
-                call.cancel()
+                call.cancel()  # the client left or the stream failed: end it upstream too
+            if writer is not None:
+                if not writer.done():
+                    writer.cancel()
+                elif not writer.cancelled() and (failure := writer.exception()) is not None:
+                    log.warning("stream_forward_failed", method=name, node=node.name, reason=str(failure))
             node.in_flight -= 1
             node.record(code, None)
             self.metrics.calls.labels(name, code.name).inc()
@@ -459,7 +556,7 @@ class GatewayService:
                 seen: list[bytes] = []
                 call = node.unary_stream(method)(data, metadata=opts.metadata, timeout=opts.timeout)
                 try:
-                    async for reply in self._relay(node, call, None, request.model, "Generate", seen):
+                    async for reply in self._relay(node, call, None, "Generate", context, seen):
                         yield reply
                 except CallFailed as exc:
                     if seen or exc.code != grpc.StatusCode.UNAVAILABLE or attempt:

@@ -193,7 +193,11 @@ def test_residency_beats_load_within_the_bound(ring):
     fleet.loads[first] = 0
     fleet.resident = {second}  # busier, but the model is already there
     assert fleet.place(ring, loaded=fleet.loaded) == Pick(second, PickReason.RING)
-    fleet.loads[second] = 4  # capacity ceil(1.25 * 23 / 10) = 3: full
+    fleet.loads[second] = 4  # capacity ceil(1.25 * 23 / 10) = 3: over the bound, within twice it
+    assert fleet.place(ring, loaded=fleet.loaded) == Pick(second, PickReason.RING)
+    fleet.loads[second] = 5  # capacity ceil(1.25 * 22 / 10) = 3, twice that 6: still resident
+    assert fleet.place(ring, loaded=fleet.loaded) == Pick(second, PickReason.RING)
+    fleet.loads[second] = 9  # capacity ceil(1.25 * 26 / 10) = 4, twice 8: past it, the other home loads it
     assert fleet.place(ring, loaded=fleet.loaded) == Pick(first, PickReason.RING)
 
 
