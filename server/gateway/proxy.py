@@ -412,6 +412,34 @@ class GatewayService:
         merged = inference_pb2.RepositoryIndexResponse(models=[rows[k] for k in sorted(rows)])
         return merged.SerializeToString()
 
+    async def model_ready(self, data: bytes, context) -> bytes:
+        """Ready when any home of the model that can take calls has it ready:
+        that is where its calls go (one home may still be loading it, or
+        hold it not at all yet)."""
+        method = f"/{INFERENCE}/ModelReady"
+        try:
+            try:
+                model = wire.string_field(data, 1)
+            except wire.WireError as exc:
+                raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse the request: {exc}") from None
+            opts = CallOptions(context)
+            targets = [self.fleet.by_name[n] for n in self.fleet.ring.replicas(model, self.settings.replicas)
+                       if self.fleet.by_name[n].routable]
+            if not targets:
+                node, _ = self.router.place(model, update=opts.update)  # a spill target, or UNAVAILABLE
+                targets = [node]
+                node.breaker.release()  # placed only to find a target: the fan-out below gives no verdict
+            replies = await asyncio.gather(*(self._call(n, method, data, opts, admitted=False) for n in targets),
+                                           return_exceptions=True)
+            answers = [pb_reply for pb_reply in replies if not isinstance(pb_reply, BaseException)]
+            if not answers:
+                raise replies[0] if isinstance(replies[0], CallFailed) else CallFailed(
+                    grpc.StatusCode.UNAVAILABLE, str(replies[0]))
+            ready = any(inference_pb2.ModelReadyResponse.FromString(a).ready for a in answers)
+            return inference_pb2.ModelReadyResponse(ready=ready).SerializeToString()
+        except CallFailed as exc:
+            await self._abort(context, exc)
+
     def to_replicas(self, name: str):
         """Load and unload go to every replica the ring gives the model, so
         the nodes that will serve it are the ones that hold it."""
@@ -581,7 +609,7 @@ class GatewayService:
             "ServerLive": uu(self.server_live),
             "ServerReady": uu(self.server_ready),
             "ServerMetadata": uu(self.unary_by_field(INFERENCE, "ServerMetadata", 0)),
-            "ModelReady": uu(self.unary_by_field(INFERENCE, "ModelReady", 1)),
+            "ModelReady": uu(self.model_ready),
             "ModelMetadata": uu(self.unary_by_field(INFERENCE, "ModelMetadata", 1)),
             "ModelInfer": uu(self.unary_by_field(INFERENCE, "ModelInfer", 1, hedgeable=True)),
             "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(self._stream_infer_guarded),

@@ -97,9 +97,10 @@ def fleet(tmp_path_factory):
     gateway = start_gateway(*(d.address for d in daemons), f"127.0.0.1:{late_port}", args=("--config", str(config)))
     client = tc.InferenceServerClient(f"127.0.0.1:{gateway.port}")
     _wait(lambda: client.is_server_ready(), 20, "gateway ready")
-    state = {"daemons": daemons, "gateway": gateway, "repo": repo, "late_port": late_port, "late": None}
+    state = {"daemons": daemons, "gateway": gateway, "repo": repo, "late_port": late_port, "late": None,
+             "revived": None}
     yield state
-    for process in [gateway, *daemons, *([state["late"]] if state["late"] else [])]:
+    for process in [gateway, *daemons, *(state[k] for k in ("late", "revived") if state[k])]:
         if process.proc.poll() is None:
             os.kill(process.proc.pid, signal.SIGCONT)
             process.stop()
@@ -303,6 +304,63 @@ def test_a_node_killed_under_load_loses_no_call(fleet):
     assert successes[0] > 40
     assert opened < 1.0, f"breaker opened {opened:.2f} s after the kill"
     assert time.monotonic() - killed_at > 2
+
+
+def test_a_node_restarted_on_the_same_address_rejoins_and_one_killed_mid_load_loses_no_load(fleet):
+    daemons, gateway = fleet["daemons"], fleet["gateway"]
+    dead = next(d for d in daemons if d.proc.poll() is not None)  # the previous test's victim
+    revived = start_daemon("--no-preload", "--grpc-port", str(dead.port), repository=fleet["repo"])
+    fleet["revived"] = revived
+    daemons[daemons.index(dead)] = revived
+    _wait(lambda: _metric(gateway, "modeld_gateway_breaker_state", node=revived.address) == 0
+          and _metric(gateway, "modeld_gateway_node_serving", node=revived.address) == 1, 20,
+          "the restarted node rejoining")
+    gw = tc.InferenceServerClient(f"127.0.0.1:{gateway.port}")
+    # the other home has minilm loaded and keeps its calls (residency) until
+    # this one holds it too: a load through the gateway reaches both homes
+    gw.load_model("minilm")
+
+    def revived_serves_minilm() -> bool:
+        gw.infer("minilm", [_texts(["again"])])
+        return _served(revived, "minilm") > 0
+
+    _wait(revived_serves_minilm, 20, "the restarted node taking calls")
+
+    # a load whose homes include the revived node, which dies while loading
+    ring = _ring([d.address for d in daemons] + [f"127.0.0.1:{fleet['late_port']}"])
+    name = next(f"big-{i}" for i in range(100) if revived.address in ring.replicas(f"big-{i}", 2))
+    config = onnx_fixtures.triton_config(name, [("x", "FP32", [4])], [("y", "FP32", [4])])
+    files = {"file:1/model.onnx": onnx_fixtures.add_fp32(10_000_000)}
+    result: list = []
+    loader = threading.Thread(target=lambda: result.append(
+        gw.load_model(name, config=json.dumps(config), files=files, client_timeout=60)))
+    loader.start()
+    time.sleep(0.3)
+    revived.proc.send_signal(signal.SIGKILL)
+    loader.join(60)
+    assert not loader.is_alive() and result == [None]  # the other home loaded it
+    x = tc.InferInput("x", [1, 4], "FP32")
+    x.set_data_from_numpy(np.zeros((1, 4), np.float32))
+    np.testing.assert_allclose(gw.infer(name, [x]).as_numpy("y"), 1.0, rtol=1e-5)
+
+
+def test_with_every_node_down_calls_fail_unavailable_at_once(fleet):
+    gateway = fleet["gateway"]
+    for process in [*fleet["daemons"], fleet["late"]]:
+        if process is not None and process.proc.poll() is None:
+            process.proc.send_signal(signal.SIGKILL)
+    channel = grpc.insecure_channel(f"127.0.0.1:{gateway.port}")
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    _wait(lambda: not stub.ServerReady(pb.ServerReadyRequest()).ready, 10, "the gateway noticing")
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ModelInfer(pb.ModelInferRequest(model_name="minilm"), timeout=30)
+    assert time.monotonic() - started < 2
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "not serving" in err.value.details()
+    health = health_pb2_grpc.HealthStub(channel)
+    _wait(lambda: health.Check(health_pb2.HealthCheckRequest(service="")).status
+          == health_pb2.HealthCheckResponse.NOT_SERVING, 2, "the gateway's own health turning NOT_SERVING")
+    channel.close()
 
 
 def test_a_dns_name_that_resolves_to_nothing_answers_unavailable():
