@@ -1,8 +1,8 @@
 """modeld's Python client: blocking (`Client`) and asyncio (`AsyncClient`).
 
 Thin helpers over the generated stubs for what users do most: embed texts,
-run a tensor model, load and unload, list models, check health. Errors are
-grpc.RpcError with the daemon's status and message.
+run a tensor model, load and unload, list models, check health, read the
+node's load. Errors are grpc.RpcError with the daemon's status and message.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from modeld.gen import inference_pb2 as pb
 from modeld.gen import inference_pb2_grpc as pb_grpc
+from modeld.gen import node_pb2, node_pb2_grpc
 
 _DATATYPE = {
     np.dtype(np.bool_): "BOOL", np.dtype(np.int8): "INT8", np.dtype(np.int16): "INT16", np.dtype(np.int32): "INT32",
@@ -101,6 +102,7 @@ class Client:
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self.node_stub = node_pb2_grpc.NodeStub(self.channel)
         self.timeout = timeout
 
     def __enter__(self) -> Client:
@@ -140,6 +142,10 @@ class Client:
         response = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout)
         return _health_name(response.status)
 
+    def node_stats(self) -> node_pb2.NodeStats:
+        """The daemon's load now (modeld.v1.Node/Stats): memory, per-model calls in flight, queues, latency."""
+        return self.node_stub.Stats(node_pb2.NodeStatsRequest(), timeout=self.timeout)
+
 
 class AsyncClient:
     """asyncio client with the same helpers; `async with AsyncClient(addr) as c:`."""
@@ -148,6 +154,7 @@ class AsyncClient:
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self.node_stub = node_pb2_grpc.NodeStub(self.channel)
         self.timeout = timeout
 
     async def __aenter__(self) -> AsyncClient:
@@ -178,3 +185,6 @@ class AsyncClient:
     async def health(self, service: str = "") -> str:
         response = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout)
         return _health_name(response.status)
+
+    async def node_stats(self) -> node_pb2.NodeStats:
+        return await self.node_stub.Stats(node_pb2.NodeStatsRequest(), timeout=self.timeout)

@@ -18,7 +18,7 @@ from prometheus_client import start_http_server
 from modeld.backends.errors import ModeldError
 from modeld.backends.registry import BackendRegistry
 from modeld.backends.sizes import format_size
-from modeld.gen import _pool, generation_pb2, generation_pb2_grpc, inference_pb2, inference_pb2_grpc
+from modeld.gen import _pool, generation_pb2, generation_pb2_grpc, inference_pb2, inference_pb2_grpc, node_pb2, node_pb2_grpc
 from modeld.server.config import Settings
 from modeld.server.engine import Engine
 from modeld.server.lifecycle import Lifecycle
@@ -28,6 +28,7 @@ from modeld.server.repository import ModelRepository
 from modeld.server.requests import ModelState
 from modeld.server.services.generation import GenerationService
 from modeld.server.services.inference import InferenceService
+from modeld.server.services.node import NodeService
 
 log = structlog.get_logger("modeld.daemon")
 
@@ -117,10 +118,12 @@ class Daemon:
         inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
             InferenceService(self.engine, self.lifecycle), self.server)
         generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(self.engine, self.lifecycle), self.server)
+        node_pb2_grpc.add_NodeServicer_to_server(NodeService(self.engine, self.lifecycle), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
              generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+             node_pb2.DESCRIPTOR.services_by_name["Node"].full_name,
              health.SERVICE_NAME, reflection.SERVICE_NAME],
             self.server, pool=reflection_pool())
         self.port = self.server.add_insecure_port(f"{s.host}:{s.grpc_port}")

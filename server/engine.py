@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
@@ -58,6 +59,9 @@ class ServedModel:
     batcher: DynamicBatcher | None  # None for language models, which batch themselves
     stats: ModelStats = field(default_factory=ModelStats)
     warmed_up: bool = False
+    generation: GenerationMetrics | None = None  # language models: the loop's latest step figures
+    # a remote engine's model: the next backend's load, serving while the remote is unhealthy
+    standby: asyncio.Task | None = None
 
     @property
     def is_generative(self) -> bool:
@@ -124,7 +128,10 @@ class Engine:
         return self._served.get(name)
 
     def stats(self, name: str) -> ModelStats:
-        return self._stats.setdefault(name, ModelStats())
+        stats = self._stats.get(name)
+        if stats is None:  # not setdefault: a ModelStats is costly to make (two HDR histograms)
+            stats = self._stats[name] = ModelStats()
+        return stats
 
     def count_failure(self, model: str, kind: ErrorKind) -> None:
         """One failed call, by model, status and protocol, whatever front it came in by."""
@@ -207,7 +214,7 @@ class Engine:
         return dataclasses.replace(source, config=dataclasses.replace(source.config, backend_options=backend_options))
 
     async def _load_on(self, backend: Backend, source: ModelSource,
-                       exclude: frozenset[ModelKey] = frozenset()) -> ServedModel:
+                       exclude: frozenset[ModelKey] = frozenset(), register: bool = True) -> ServedModel:
         config = source.config
         key = ModelKey(backend.name, config.name)
         estimate = backend.estimate_bytes(config, source.model_dir)
@@ -238,9 +245,16 @@ class Engine:
             await self._warm_up(served)
         if served.is_generative:
             # after warm-up, so the dummy sequence is not counted as traffic
-            loaded.set_observer(GenerationMetrics(self.metrics, config.name, backend.name))
+            served.generation = GenerationMetrics(self.metrics, config.name, backend.name)
+            loaded.set_observer(served.generation)
+        log.info("model_loaded", model=config.name, backend=backend.name, nbytes=loaded.nbytes, estimate=estimate,
+                 standby=not register)
+        if not register:
+            return served  # a remote model's standby: reached through it, never by name
         self._served[config.name] = served
-        log.info("model_loaded", model=config.name, backend=backend.name, nbytes=loaded.nbytes, estimate=estimate)
+        follow_health = getattr(loaded, "set_health_listener", None)  # remote engines (backends/remote)
+        if follow_health is not None:
+            follow_health(lambda is_healthy: self._on_remote_health(served, is_healthy))
         self._notify(config.name, ModelState.READY)
         return served
 
@@ -325,6 +339,7 @@ class Engine:
     async def _drop(self, served: ServedModel) -> None:
         if self._served.get(served.config.name) is served:
             del self._served[served.config.name]
+        await self._drop_standby(served)
         if served.batcher is not None:
             await served.batcher.stop()
         else:
@@ -340,6 +355,10 @@ class Engine:
         name = key.model
         served = self._served.get(name)
         log.info("model_evicted", model=name, backend=key.backend)
+        if served is not None and served.standby is not None and served.backend.name != key.backend:
+            self.metrics.evictions.labels(name, key.backend).inc()
+            await self._drop_standby(served)
+            return
         if served is None or served.backend.name != key.backend:
             self.memory.remove(key)
             return
@@ -364,7 +383,33 @@ class Engine:
             raise Unavailable(f"model {name!r} is not loaded and lazy loading is off; load it first (RepositoryModelLoad)")
         return await self.load(name)
 
+    @contextlib.contextmanager
+    def _counting_call(self, name: str):
+        """In flight from entry (a lazy load's wait included) until the call
+        leaves, however it leaves, and a failure counted by its kind, once
+        per call. A name nobody knows is not counted: ensure_loaded refuses
+        it, and made-up names must not grow `_stats`."""
+        if name not in self._served and name not in self._loading and name not in self.repository.names():
+            yield
+            return
+        stats = self.stats(name)
+        stats.begin_call()
+        try:
+            yield
+        except ModeldError as exc:
+            stats.count_failure(exc.kind)
+            raise
+        except Exception:  # a bug: the service answers INTERNAL
+            stats.count_failure(ErrorKind.INTERNAL)
+            raise
+        finally:
+            stats.end_call()
+
     async def infer(self, request: InferRequest) -> InferResult:
+        with self._counting_call(request.model_name):
+            return await self._infer(request)
+
+    async def _infer(self, request: InferRequest) -> InferResult:
         served = await self.ensure_loaded(request.model_name, request.model_version)
         started = time.perf_counter_ns()
         try:
@@ -399,8 +444,9 @@ class Engine:
 
     # -- generation ------------------------------------------------------------
 
-    async def generative(self, name: str, required: frozenset[Capability] = frozenset()) -> ServedModel:
-        served = await self.ensure_loaded(name)
+    async def generative(self, name: str, required: frozenset[Capability] = frozenset(),
+                         fail_over: bool = False) -> ServedModel:
+        served = await self._route_around_unhealthy(await self.ensure_loaded(name), fail_over)
         missing = served.backend.missing(required | {Capability.GENERATION})
         if missing or not served.is_generative:
             raise Unimplemented(_capability_message(served, missing or frozenset({Capability.GENERATION})))
@@ -414,7 +460,16 @@ class Engine:
         carries the error, then raises it with its own kind, so callers that
         stream can still send what came before.
         """
-        served = await self.generative(request.model_name, _generation_capabilities(request))
+        with self._counting_call(request.model_name):
+            # aclosing: a consumer that leaves early closes the inner stream
+            # now (its sequence and memory freed), not whenever it is collected
+            async with contextlib.aclosing(self._generate_or_fail_over(request, timeout_s)) as events:
+                async for event in events:
+                    yield event
+
+    async def _generate(self, request: GenerateRequest, timeout_s: float | None,
+                        fail_over: bool = False) -> AsyncIterator[TokenEvent | FinalEvent]:
+        served = await self.generative(request.model_name, _generation_capabilities(request), fail_over)
         self.memory.acquire(served.key)
         started = time.perf_counter_ns()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -439,10 +494,109 @@ class Engine:
             self.memory.release(served.key)
 
     async def tokenize(self, name: str, text: str) -> list[int]:
-        return (await self.generative(name)).loaded.tokenize(text)
+        return await _resolved((await self.generative(name)).loaded.tokenize(text))
 
     async def detokenize(self, name: str, token_ids: list[int]) -> str:
-        return (await self.generative(name)).loaded.detokenize(token_ids)
+        return await _resolved((await self.generative(name)).loaded.detokenize(token_ids))
+
+    # -- remote engines: health and the standby --------------------------------------
+
+    async def _generate_or_fail_over(self, request: GenerateRequest,
+                                     timeout_s: float | None) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """_generate; a remote engine that fails before its first event hands
+        the request to its standby, once: nothing reached the caller, so
+        nothing is replayed (a stream that broke mid-way ends with its error)."""
+        current = self._served.get(request.model_name)
+        via_remote = current is not None and getattr(current.loaded, "is_healthy", False)
+        attempt = self._generate(request, timeout_s)
+        try:
+            first = await attempt.__anext__()
+        except StopAsyncIteration:
+            return
+        except Unavailable as exc:
+            await attempt.aclose()
+            if not (via_remote and self._served.get(request.model_name) is current and self._later_backends(current)):
+                raise
+            log.warning("remote_request_failed_over", model=request.model_name, backend=current.backend.name,
+                        request_id=request.request_id, reason=str(exc))
+            attempt = self._generate(request, timeout_s, fail_over=True)
+            first = await attempt.__anext__()
+        async with contextlib.aclosing(attempt):
+            yield first
+            async for event in attempt:
+                yield event
+
+    async def _route_around_unhealthy(self, served: ServedModel, fail_over: bool = False) -> ServedModel:
+        """The model itself, or the standby on the next backend in its list
+        (loaded on first need) while its remote engine is unhealthy, or for a
+        request it just failed (fail_over). With no standby possible the
+        remote is tried anyway (it may be back); a failed-over request fails."""
+        is_healthy = getattr(served.loaded, "is_healthy", True) and not fail_over
+        if is_healthy or not self._later_backends(served):
+            return served
+        self._start_standby(served)
+        try:
+            standby = await asyncio.shield(served.standby)
+        except ModeldError as exc:
+            log.warning("remote_fallback_failed", model=served.config.name, backend=served.backend.name,
+                        reason=str(exc))
+            if fail_over:
+                raise
+            return served
+        self.metrics.fallbacks.labels(served.config.name, served.backend.name, "run").inc()
+        return standby
+
+    def _start_standby(self, served: ServedModel) -> None:
+        task = served.standby
+        if task is not None and not (task.done() and (task.cancelled() or task.exception() is not None)):
+            return  # loading or loaded (a failed load is tried again)
+        served.standby = asyncio.get_running_loop().create_task(self._load_standby(served))
+
+    def _later_backends(self, served: ServedModel) -> list[Backend]:
+        candidates = self.registry.candidates(served.config.backends)
+        return candidates[candidates.index(served.backend) + 1:] if served.backend in candidates else []
+
+    async def _load_standby(self, served: ServedModel) -> ServedModel:
+        reasons = []
+        for backend in self._later_backends(served):
+            verdict = backend.can_serve(served.config, served.source.model_dir)
+            if not verdict.ok:
+                reasons.append(f"{backend.name}: {verdict.reason}")
+                continue
+            try:
+                return await self._load_on(backend, served.source, frozenset({served.key}), register=False)
+            except (LoadFailed, ResourceExhausted) as exc:
+                reasons.append(f"{backend.name}: {exc}")
+        raise Unavailable(f"model {served.config.name!r}: its {served.backend.name} engine fails or is unhealthy and no "
+                          f"later backend in its list can stand in ({'; '.join(reasons) or 'the list names none'})")
+
+    def _on_remote_health(self, served: ServedModel, is_healthy: bool) -> None:
+        """A remote engine turned (un)healthy: health Watch follows it, the
+        standby loads at once, and leaves when the remote is back."""
+        name = served.config.name
+        if self._served.get(name) is not served:
+            return
+        self._notify(name, ModelState.READY if is_healthy else ModelState.UNAVAILABLE)
+        if is_healthy:
+            asyncio.get_running_loop().create_task(self._drop_standby(served))
+        elif self._later_backends(served):
+            self._start_standby(served)
+            served.standby.add_done_callback(_retrieve)
+
+    async def _drop_standby(self, served: ServedModel) -> None:
+        task, served.standby = served.standby, None
+        if task is None:
+            return
+        if not task.done():
+            # still loading, maybe waiting for the memory lock our caller holds: drop it once in
+            task.add_done_callback(self._drop_loaded)
+            return
+        if not task.cancelled() and task.exception() is None:
+            await self._drop(task.result())
+
+    def _drop_loaded(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is None:
+            asyncio.get_running_loop().create_task(self._drop(task.result()))
 
     async def _fall_back(self, failed: ServedModel, exc: BackendFailure) -> ServedModel:
         """Move a model whose backend failed at run time to the next backend."""
@@ -490,6 +644,18 @@ async def _next_event(events: AsyncIterator, deadline: float | None, timeout_s: 
         return await asyncio.wait_for(events.__anext__(), max(deadline - time.monotonic(), 0.0))
     except TimeoutError:
         raise _timed_out(timeout_s) from None
+
+
+async def _resolved(value):
+    """A backend's answer, awaited where it is a coroutine (a remote engine's)."""
+    return await value if inspect.isawaitable(value) else value
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    # a standby load that fails is reported by the request that needs it; here
+    # only marked retrieved, so asyncio does not log it as forgotten
+    if not task.cancelled():
+        task.exception()
 
 
 def _timed_out(timeout_s: float) -> DeadlineExceeded:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -36,18 +38,36 @@ class Metrics:
         self.drafted_tokens = Counter("modeld_speculative_drafted_tokens", "Draft tokens proposed", ["model", "backend"], registry=r)
         self.accepted_tokens = Counter("modeld_speculative_accepted_tokens", "Draft tokens accepted", ["model", "backend"], registry=r)
         self.finished_sequences = Counter("modeld_finished_sequences", "Sequences by finish reason", ["model", "backend", "reason"], registry=r)
+        # remote engines (backends/remote); their running/waiting requests and KV use go to the gauges above
+        self.remote_healthy = Gauge("modeld_remote_healthy", "1 while a remote engine answers, 0 while failures mark it unhealthy", ["model", "backend"], registry=r)
+        self.remote_failures = Counter("modeld_remote_failures", "Failed calls and probes of a remote engine (unreachable, timeout, server_error, broken_stream)", ["model", "backend", "kind"], registry=r)
+        self.remote_kv_cache_usage = Gauge("modeld_remote_kv_cache_usage_ratio", "A remote engine's KV-cache usage (0-1), from its /metrics", ["model", "backend"], registry=r)
+        self.remote_prefix_cache_hit_ratio = Gauge("modeld_remote_prefix_cache_hit_ratio", "A remote engine's prefix-cache hits over lookups since it started, from its /metrics", ["model", "backend"], registry=r)
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """The scheduler's state after one generation step."""
+
+    num_running: int = 0
+    num_waiting: int = 0  # sequences waiting for a slot
+    kv_used: int = 0  # KV cells holding tokens, running and cached
+    kv_capacity: int = 0
 
 
 class GenerationMetrics:
-    """The generation loop's observer: its figures as Prometheus metrics.
+    """The generation loop's observer: its figures as Prometheus metrics, and
+    the latest step's as `latest` for modeld.v1.Node.
 
     Speculative acceptance rate = accepted / drafted, both counters.
     """
 
     def __init__(self, metrics: Metrics, model: str, backend: str) -> None:
         self.m, self.labels = metrics, (model, backend)
+        self.latest = StepFigures()  # all 0 until the first step after load
 
     def on_step(self, num_running: int, num_waiting: int, kv_used: int, kv_capacity: int) -> None:
+        self.latest = StepFigures(num_running, num_waiting, kv_used, kv_capacity)
         self.m.running_sequences.labels(*self.labels).set(num_running)
         self.m.waiting_sequences.labels(*self.labels).set(num_waiting)
         self.m.kv_cells_used.labels(*self.labels).set(kv_used)
@@ -66,3 +86,17 @@ class GenerationMetrics:
         self.m.drafted_tokens.labels(*self.labels).inc(usage.drafted_tokens)
         self.m.accepted_tokens.labels(*self.labels).inc(usage.accepted_tokens)
         self.m.finished_sequences.labels(*self.labels, reason.value).inc()
+
+    # a remote engine's figures (backends/remote/model.py calls these where present)
+
+    def on_remote_health(self, is_healthy: bool) -> None:
+        self.m.remote_healthy.labels(*self.labels).set(1 if is_healthy else 0)
+
+    def on_remote_failure(self, kind: str) -> None:
+        self.m.remote_failures.labels(*self.labels, kind).inc()
+
+    def on_remote_load(self, kv_cache_usage: float | None, prefix_cache_hit_ratio: float | None) -> None:
+        if kv_cache_usage is not None:
+            self.m.remote_kv_cache_usage.labels(*self.labels).set(kv_cache_usage)
+        if prefix_cache_hit_ratio is not None:
+            self.m.remote_prefix_cache_hit_ratio.labels(*self.labels).set(prefix_cache_hit_ratio)

@@ -1,0 +1,157 @@
+"""modeld.v1.Node: this daemon's load, as a gateway reads it to route calls.
+
+Every figure is read from where the engine already keeps it, at the moment
+of the call; nothing here counts anything. Stats and WatchStats answer while
+the daemon drains (with `draining` set): that is the news a gateway needs,
+so unlike the other services they do not refuse calls then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import time
+
+import grpc
+import structlog
+
+from modeld.gen import node_pb2 as pb
+from modeld.gen import node_pb2_grpc as pb_grpc
+from modeld.server.engine import Engine, ServedModel
+from modeld.server.lifecycle import Lifecycle
+from modeld.server.requests import ModelStatus
+
+log = structlog.get_logger("modeld.node")
+
+DEFAULT_INTERVAL_S = 1.0
+MIN_INTERVAL_S = 0.05
+# How soon a watch notices the daemon started draining, whatever its interval.
+_DRAIN_POLL_S = 0.1
+
+
+class NodeService(pb_grpc.NodeServicer):
+    def __init__(self, engine: Engine, lifecycle: Lifecycle) -> None:
+        self.engine = engine
+        self.lifecycle = lifecycle
+        self.node_id = socket.gethostname()
+        self._started = time.monotonic()
+
+    async def Stats(self, request, context):
+        try:
+            return self.snapshot()
+        except Exception:  # a bug: say so and keep serving
+            log.exception("node_stats_bug")
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error while reading node stats; see the daemon log")
+
+    async def WatchStats(self, request, context):
+        """A snapshot now, then one per interval; a last one with `draining`
+        set when the daemon starts to drain, then the stream ends (OK), so
+        it never holds up the shutdown."""
+        interval_s = watch_interval_s(request.interval_ms)
+        try:
+            while True:
+                yield self.snapshot()
+                if self.lifecycle.is_draining:
+                    return
+                await self._sleep_unless_draining(interval_s)
+        except Exception:  # a bug: say so and keep serving (cancellation is BaseException, not caught)
+            log.exception("node_watch_bug")
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error while reading node stats; see the daemon log")
+
+    async def _sleep_unless_draining(self, interval_s: float) -> None:
+        wake_at = time.monotonic() + interval_s
+        while not self.lifecycle.is_draining:
+            left = wake_at - time.monotonic()
+            if left <= 0:
+                return
+            await asyncio.sleep(min(left, _DRAIN_POLL_S))
+
+    def snapshot(self) -> pb.NodeStats:
+        engine = self.engine
+        held = _bytes_by_model(engine)
+        models = [self._model_load(status, held.get(status.name, 0)) for status in engine.statuses()]
+        gpu_used, gpu_total = gpu_memory()
+        return pb.NodeStats(
+            node_id=self.node_id,
+            models=models,
+            memory_used_bytes=engine.memory.used,
+            memory_budget_bytes=engine.memory.budget,
+            in_flight=sum(m.in_flight for m in models),
+            queue_depth=sum(m.queue_depth for m in models),
+            kv_cells_used=sum(m.kv_cells_used for m in models),
+            kv_cells_capacity=sum(m.kv_cells_capacity for m in models),
+            uptime_s=time.monotonic() - self._started,
+            gpu_memory_used_bytes=gpu_used,
+            gpu_memory_total_bytes=gpu_total,
+            draining=self.lifecycle.is_draining,
+        )
+
+    def _model_load(self, status: ModelStatus, memory_bytes: int) -> pb.ModelLoad:
+        stats = self.engine.stats(status.name)
+        served = self.engine.served(status.name)
+        load = pb.ModelLoad(
+            name=status.name,
+            backend=status.backend,
+            state=status.state.value,
+            memory_bytes=memory_bytes,
+            in_flight=stats.num_in_flight,
+            p99_latency_s=stats.recent_latency.quantile(0.99),
+            p95_latency_s=stats.recent_latency.quantile(0.95),
+            request_count=stats.num_requests,
+            failure_count=stats.num_server_failures,
+        )
+        if served is not None:
+            _fill_queue(load, served)
+        return load
+
+
+def watch_interval_s(interval_ms: int) -> float:
+    """The proto's rule: 0 means one second, and never faster than 50 ms."""
+    if interval_ms == 0:
+        return DEFAULT_INTERVAL_S
+    return max(interval_ms / 1000, MIN_INTERVAL_S)
+
+
+def _bytes_by_model(engine: Engine) -> dict[str, int]:
+    """What the budget holds per model name, summed over its backends; a
+    model being loaded holds its estimate here before it is served."""
+    held: dict[str, int] = {}
+    for key in engine.memory.keys_lru_first():
+        held[key.model] = held.get(key.model, 0) + engine.memory.entry(key).nbytes
+    return held
+
+
+def _fill_queue(load: pb.ModelLoad, served: ServedModel) -> None:
+    if served.batcher is not None:
+        load.queue_depth = served.batcher.num_waiting
+    elif served.generation is not None:
+        step = served.generation.latest
+        load.queue_depth = step.num_waiting
+        load.kv_cells_used = step.kv_used
+        load.kv_cells_capacity = step.kv_capacity
+
+
+def gpu_memory() -> tuple[int, int]:
+    """(used, total) bytes over the GPUs this process already uses; (0, 0) elsewhere.
+
+    Only where a backend has imported torch and initialised CUDA: importing
+    torch costs seconds and hundreds of MB, and querying a GPU nothing uses
+    would create a CUDA context on it (several hundred MB of its memory).
+    Used is the device's, every process's allocations included.
+    """
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is None or not cuda.is_initialized():
+        return 0, 0
+    used = total = 0
+    try:
+        for index in range(cuda.device_count()):
+            if cuda.memory_reserved(index) == 0:
+                continue  # no allocation of ours there, maybe no context: do not make one
+            free, size = cuda.mem_get_info(index)
+            used, total = used + size - free, total + size
+    except RuntimeError:  # a driver fault must not take the load report with it
+        log.warning("gpu_memory_unreadable", exc_info=True)
+        return 0, 0
+    return used, total
