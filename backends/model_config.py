@@ -33,10 +33,15 @@ class ModelFormat(Enum):
     ONNX = "onnx"
     GGUF = "gguf"
     SAFETENSORS = "safetensors"  # Hugging Face weights plus config.json
+    REMOTE = "remote"  # served by an engine server ([remote]); no local file
 
 
+# REMOTE has no file: its artifact path stays "" and no local backend serves it
 DEFAULT_ARTIFACTS = {ModelFormat.ONNX: "model.onnx", ModelFormat.GGUF: "model.gguf",
-                     ModelFormat.SAFETENSORS: "model.safetensors"}
+                     ModelFormat.SAFETENSORS: "model.safetensors", ModelFormat.REMOTE: ""}
+
+# A remote model's local fallback artifact: its format follows from its name.
+_FORMAT_BY_SUFFIX = {".gguf": ModelFormat.GGUF, ".onnx": ModelFormat.ONNX, ".safetensors": ModelFormat.SAFETENSORS}
 
 # Triton `backend` / `platform` values that mean "an ONNX graph".
 _TRITON_ONNX_NAMES = {"onnxruntime", "onnxruntime_onnx", "onnx"}
@@ -76,6 +81,11 @@ class ModelConfig:
     outputs: tuple[TensorSpec, ...] = ()
     text: TextSpec | None = None
     backend_options: BackendOptions = BackendOptions()
+    # `format = "remote"` in model.toml: the [remote] engine serves it first.
+    # `format` then holds the local fallback artifact's format (from its file
+    # name), so local backends judge that file exactly as they judge any
+    # other model; REMOTE when there is no fallback artifact.
+    is_remote: bool = False
 
     @property
     def artifact_path(self) -> str:
@@ -131,11 +141,16 @@ def config_from_dict(name: str, raw: dict[str, Any]) -> ModelConfig:
         raise InvalidArgument(f"model {name!r}: config names a different model {raw['name']!r}")
     reader = _Reader(name, raw)
     batching = reader.table("batching")
+    declared = reader.enum("format", ModelFormat, ModelFormat.ONNX)
+    artifact = _safe_relative(name, reader.str("artifact", ""))
+    backend_options = parse_backend_options(name, {k: reader.table(k) for k in OPTIONS_BY_BACKEND if k in raw})
+    _check_remote(name, declared, "remote" in raw, backend_options)
     return ModelConfig(
         name=name,
-        format=reader.enum("format", ModelFormat, ModelFormat.ONNX),
+        format=_fallback_format(name, artifact) if declared is ModelFormat.REMOTE else declared,
+        is_remote=declared is ModelFormat.REMOTE,
         backends=tuple(reader.str_list("backends")),
-        artifact=_safe_relative(name, reader.str("artifact", "")),
+        artifact=artifact,
         max_batch_size=_Reader(name, batching, "batching.").int("max_batch_size", 0, minimum=0),
         max_queue_delay_us=_Reader(name, batching, "batching.").int("max_queue_delay_us", 0, minimum=0),
         max_queue_size=_Reader(name, batching, "batching.").int("max_queue_size", 1024, minimum=1),
@@ -147,8 +162,29 @@ def config_from_dict(name: str, raw: dict[str, Any]) -> ModelConfig:
         inputs=tuple(_tensor_specs(name, raw.get("inputs", []), "inputs")),
         outputs=tuple(_tensor_specs(name, raw.get("outputs", []), "outputs")),
         text=_text_spec(name, reader.table("text")),
-        backend_options=parse_backend_options(name, {k: reader.table(k) for k in OPTIONS_BY_BACKEND if k in raw}),
+        backend_options=backend_options,
     )
+
+
+def _check_remote(model: str, declared: ModelFormat, has_table: bool, options: BackendOptions) -> None:
+    if declared is ModelFormat.REMOTE and not options.remote.url:
+        raise InvalidArgument(f"model {model!r}: format \"remote\" needs a [remote] table with url "
+                              "(e.g. url = \"http://127.0.0.1:8000\") and engine (openai, vllm, sglang or tgi)")
+    if has_table and declared is not ModelFormat.REMOTE:
+        raise InvalidArgument(f"model {model!r}: a [remote] table belongs to format = \"remote\", "
+                              f"not format = {declared.value!r}")
+
+
+def _fallback_format(model: str, artifact: str) -> ModelFormat:
+    """The format of a remote model's local fallback file, told by its name."""
+    if not artifact:
+        return ModelFormat.REMOTE
+    suffix = Path(artifact).suffix.lower()
+    if suffix not in _FORMAT_BY_SUFFIX:
+        raise InvalidArgument(
+            f"model {model!r}: the fallback artifact {artifact!r} of a remote model must be named "
+            f"*{', *'.join(_FORMAT_BY_SUFFIX)} so its format is known; or leave artifact out for no local fallback")
+    return _FORMAT_BY_SUFFIX[suffix]
 
 
 class _Reader:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 from modeld.backends.errors import InvalidArgument
 
@@ -73,6 +74,40 @@ def _is_model_name(value: Any) -> bool:
 
 def _model_name() -> Any:
     return field(default="", metadata={"spec": _Spec(_is_model_name, "the name of another model in the repository")})
+
+
+def _number(default: float, above: float) -> Any:
+    return field(default=default, metadata={"spec": _Spec(
+        lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > above, f"a number > {above:g}")})
+
+
+def _is_http_url(value: Any) -> bool:
+    if value == "":  # only in the defaults built at import time; model_config requires a url
+        return True
+    if not isinstance(value, str):
+        return False
+    try:
+        parts = urlsplit(value)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
+def _url() -> Any:
+    return field(default="", metadata={"spec": _Spec(_is_http_url, "an http:// or https:// URL with a host")})
+
+
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _env_name() -> Any:
+    return field(default="", metadata={"spec": _Spec(
+        lambda v: v == "" or (isinstance(v, str) and _ENV_NAME_RE.fullmatch(v) is not None),
+        "the name of an environment variable (letters, digits, '_')")})
+
+
+def _text() -> Any:
+    return field(default="", metadata={"spec": _Spec(lambda v: isinstance(v, str), "a string")})
 
 
 def _internal_path() -> Any:
@@ -145,8 +180,34 @@ class TorchOptions(_Options):
     draft_path: str = _internal_path()  # the engine resolves draft_model to it
 
 
+REMOTE_ENGINES = ("openai", "vllm", "sglang", "tgi")
+
+
+@dataclass(frozen=True)
+class RemoteOptions(_Options):
+    """`[remote]`: the engine server a `format = "remote"` model runs on. One
+    table for the four remote backends (openai, vllm, sglang, tgi): `engine`
+    says which protocol the server speaks, `backends` which to try first."""
+
+    section = "remote"
+    engine: str = _one_of("openai", *REMOTE_ENGINES)
+    url: str = _url()
+    model: str = _text()  # the engine's own model name; "": the model's name here
+    api_key_env: str = _env_name()  # "": no key; read at load, never stored in the config
+    timeout_s: float = _number(600.0, above=0)  # between bytes of an answer; connecting gets min(10, this)
+    max_in_flight: int = _int(64, minimum=1)  # more concurrent requests: RESOURCE_EXHAUSTED
+    unhealthy_after: int = _int(3, minimum=1)  # consecutive failed calls or probes
+    probe_interval_s: float = _number(2.0, above=0)  # health and load probe while healthy; first retry after
+    max_probe_interval_s: float = _number(30.0, above=0)  # the backoff of probes while unhealthy stops here
+
+    def _check(self) -> None:
+        if self.max_probe_interval_s < self.probe_interval_s:
+            raise OptionError("remote.max_probe_interval_s", self.max_probe_interval_s,
+                              f"at least probe_interval_s ({self.probe_interval_s:g})")
+
+
 OPTIONS_BY_BACKEND: dict[str, type[_Options]] = {
-    cls.section: cls for cls in (OnnxOptions, ReferenceOptions, LlamaCppOptions, TorchOptions)
+    cls.section: cls for cls in (OnnxOptions, ReferenceOptions, LlamaCppOptions, TorchOptions, RemoteOptions)
 }
 
 
@@ -159,6 +220,7 @@ class BackendOptions:
     reference: ReferenceOptions = ReferenceOptions()
     llamacpp: LlamaCppOptions = LlamaCppOptions()
     torch: TorchOptions = TorchOptions()
+    remote: RemoteOptions = RemoteOptions()
 
 
 def parse_options(model: str, section: str, raw: dict[str, Any]) -> _Options:

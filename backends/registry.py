@@ -18,6 +18,11 @@ BACKENDS: dict[str, str] = {
     "reference": "modeld.backends.reference.backend:ReferenceBackend",
     "llamacpp": "modeld.backends.llamacpp.backend:LlamaCppBackend",
     "torch": "modeld.backends.torch.backend:TorchBackend",
+    # remote engines (format = "remote" models): one module per wire protocol
+    "openai": "modeld.backends.remote.openai:OpenAIBackend",
+    "vllm": "modeld.backends.remote.vllm:VllmBackend",
+    "sglang": "modeld.backends.remote.sglang:SglangBackend",
+    "tgi": "modeld.backends.remote.tgi:TgiBackend",
 }
 
 

@@ -72,7 +72,8 @@ class MemoryManager:
         for key, entry in self._entries.items():
             if need <= 0:
                 break
-            if entry.is_evictable and key not in exclude:
+            # a model holding no bytes (a remote engine's) frees nothing: never a victim
+            if entry.is_evictable and entry.nbytes > 0 and key not in exclude:
                 victims.append(key)
                 need -= entry.nbytes
         if need > 0:

@@ -60,7 +60,9 @@ class ModelRepository:
         """Register a model from a Load request (tritonclient's load_model)."""
         validate_model_name(name)
         config = config_from_json(name, config_json)
-        if not files:
+        if not files and config.is_remote and self._repo_dir(name) is None:
+            model_dir = self._write_files(name, {})  # a remote engine needs no file, only a folder of its own
+        elif not files:
             # A config alone overrides the repository model's config.
             model_dir = self._repo_dir(name)
             if model_dir is None:
@@ -76,6 +78,7 @@ class ModelRepository:
         paths = {key: _safe_file_path(key) for key in files}
         if model_dir.exists():
             shutil.rmtree(model_dir)
+        model_dir.mkdir(parents=True)
         for key, rel in paths.items():
             target = model_dir.joinpath(*rel.parts)
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,203 @@
+"""The HTTP layer every remote backend shares: one httpx client per model,
+the engine's errors mapped to modeld's kinds by meaning, and server-sent
+event streams read with httpx-sse.
+
+Every failure leaves here as a ModeldError. One the health tracker must
+count (unreachable, timeout, 5xx, a broken stream) is a RemoteFailure, an
+Unavailable that says which FailureKind it was; an answer that refuses the
+request on its merits (4xx) keeps the remote's own message and maps by
+meaning: 404 NOT_FOUND, 413/429 RESOURCE_EXHAUSTED, 401/403
+FAILED_PRECONDITION (modeld's key is wrong, not the caller's), the rest
+INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import httpx
+from httpx_sse import SSEError, aconnect_sse
+
+from modeld.backends.errors import (
+    ErrorKind, InvalidArgument, ModeldError, NotFound, ResourceExhausted, Unavailable,
+)
+from modeld.backends.remote.health import FailureKind
+
+_MAX_MESSAGE = 500  # characters of a remote's error body worth quoting to a client
+_CONNECT_TIMEOUT_S = 10.0
+
+
+class RemoteFailure(Unavailable):
+    """A call the remote failed (not refused): UNAVAILABLE, counted for health."""
+
+    def __init__(self, message: str, failure: FailureKind) -> None:
+        super().__init__(message)
+        self.failure = failure
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where one remote engine listens and how to talk to it."""
+
+    engine: str  # openai, vllm, sglang, tgi: for messages
+    url: str  # http(s)://host:port, no trailing slash
+    api_key: str = ""
+    timeout_s: float = 600.0
+
+    @property
+    def where(self) -> str:
+        return f"the {self.engine} engine at {self.url}"
+
+
+class RemoteHttp:
+    """One httpx.AsyncClient, opened in the event loop that uses it."""
+
+    def __init__(self, endpoint: Endpoint, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.endpoint = endpoint
+        self.transport = transport  # tests answer from a function instead of a socket
+        self._client: httpx.AsyncClient | None = None
+
+    def open(self) -> None:
+        e = self.endpoint
+        headers = {"Authorization": f"Bearer {e.api_key}"} if e.api_key else {}
+        self._client = httpx.AsyncClient(
+            base_url=e.url, headers=headers, follow_redirects=False, transport=self.transport,
+            # the read timeout bounds the wait for each next byte, so a long
+            # stream never times out while tokens keep coming
+            timeout=httpx.Timeout(e.timeout_s, connect=min(_CONNECT_TIMEOUT_S, e.timeout_s)),
+            # a sequence per connection: max_in_flight bounds them, not the pool
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
+        )
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.aclose()
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise Unavailable(f"{self.endpoint.where}: the model is not started (or already stopped)")
+        return self._client
+
+    async def get(self, path: str, timeout_s: float | None = None) -> httpx.Response:
+        return await self._call("GET", path, None, timeout_s)
+
+    async def post(self, path: str, body: Any, timeout_s: float | None = None) -> httpx.Response:
+        return await self._call("POST", path, body, timeout_s)
+
+    async def get_json(self, path: str, timeout_s: float | None = None) -> Any:
+        return self._json(path, await self.get(path, timeout_s))
+
+    async def post_json(self, path: str, body: Any, timeout_s: float | None = None) -> Any:
+        return self._json(path, await self.post(path, body, timeout_s))
+
+    async def _call(self, method: str, path: str, body: Any, timeout_s: float | None) -> httpx.Response:
+        timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else httpx.Timeout(timeout_s)
+        try:
+            response = await self.client.request(method, path, json=body, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise self.transport_failure(exc, path) from None
+        if response.status_code >= 400:
+            raise error_for_status(f"{self.endpoint.where} ({method} {path})", response.status_code, response.text)
+        return response
+
+    def _json(self, path: str, response: httpx.Response) -> Any:
+        try:
+            return response.json()
+        except ValueError:
+            raise RemoteFailure(f"{self.endpoint.where} answered {path} with something that is not JSON: "
+                                f"{_quote(response.text)}", FailureKind.BROKEN_STREAM) from None
+
+    async def events(self, path: str, body: Any) -> AsyncIterator[Any]:
+        """POST `body` and yield the JSON of each server-sent event, until the
+        stream ends or sends `data: [DONE]`.
+
+        Closing this iterator (the caller left) closes the connection, which
+        is how the engine learns to stop generating."""
+        where = f"{self.endpoint.where} ({path})"
+        received = 0
+        try:
+            async with aconnect_sse(self.client, "POST", path, json=body) as source:
+                response = source.response
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise error_for_status(where, response.status_code, response.text)
+                async for event in source.aiter_sse():
+                    if event.data == "[DONE]":
+                        return
+                    if not event.data.strip():
+                        continue  # a keep-alive without data
+                    received += 1
+                    yield _event_json(where, event.data)
+        except SSEError as exc:  # not an event stream at all
+            raise RemoteFailure(f"{where} did not answer with an event stream: {exc}",
+                                FailureKind.BROKEN_STREAM) from None
+        except httpx.HTTPError as exc:
+            raise self.transport_failure(exc, path, mid_stream=received > 0) from None
+
+    def transport_failure(self, exc: httpx.HTTPError, path: str, mid_stream: bool = False) -> RemoteFailure:
+        where = f"{self.endpoint.where} ({path})"
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if isinstance(exc, httpx.ConnectError):
+            return RemoteFailure(f"{where} is unreachable ({detail})", FailureKind.UNREACHABLE)
+        if isinstance(exc, httpx.TimeoutException):
+            return RemoteFailure(f"{where} did not answer within its timeout ({detail}); [remote] timeout_s is "
+                                 f"{self.endpoint.timeout_s:g}", FailureKind.TIMEOUT)
+        if mid_stream:
+            return RemoteFailure(f"{where} broke off its answer mid-stream ({detail})", FailureKind.BROKEN_STREAM)
+        return RemoteFailure(f"{where} failed ({detail})", FailureKind.BROKEN_STREAM)
+
+
+def _event_json(where: str, data: str) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        raise RemoteFailure(f"{where} sent a malformed event (not JSON): {_quote(data)}",
+                            FailureKind.BROKEN_STREAM) from None
+
+
+def error_for_status(where: str, status: int, body: str) -> ModeldError:
+    """An HTTP error answer as the error a client of modeld should see."""
+    text = f"{where} answered HTTP {status}: {remote_message(body)}"
+    if status >= 500 or status == 424:  # TGI: 424 is a failed generation in its shards
+        return RemoteFailure(text, FailureKind.SERVER_ERROR)
+    if status == 408:
+        return RemoteFailure(text, FailureKind.TIMEOUT)
+    if status == 404:
+        return NotFound(text)
+    if status in (413, 429):
+        return ResourceExhausted(text)
+    if status in (401, 403):
+        error = ModeldError(f"{text}; the daemon's key for it is missing or wrong (check [remote] api_key_env)")
+        error.kind = ErrorKind.FAILED_PRECONDITION
+        return error
+    return InvalidArgument(text)
+
+
+def remote_message(body: str) -> str:
+    """The human part of an error body: OpenAI's {"error": {"message"}},
+    FastAPI's {"detail"}, TGI's {"error"}, vLLM's {"message"}, or the text."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return _quote(body)
+    return _quote(_message_of(data))
+
+
+def _message_of(data: Any) -> str:
+    if isinstance(data, dict):
+        for key in ("error", "detail", "message", "msg"):
+            if key in data and data[key]:
+                return _message_of(data[key])
+        return json.dumps(data)
+    if isinstance(data, list):
+        return "; ".join(_message_of(item) for item in data)
+    return str(data)
+
+
+def _quote(text: str) -> str:
+    text = text.strip() or "(empty body)"
+    return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE] + "..."

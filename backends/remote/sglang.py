@@ -1,0 +1,227 @@
+"""SGLang's native API: POST /generate `{text | input_ids, sampling_params,
+stream}`, model checks through /get_model_info.
+
+Written to SGLang's published API documentation (its server needs CUDA,
+so the suite tests this adapter against a small server speaking the same
+wire format, tests/remote_fakes.py). What the documentation says and this
+adapter relies on:
+
+- each streamed event holds the whole text so far, so deltas are computed
+  here (a server started with incremental output is refused as malformed
+  rather than garbled); `output_ids` and `meta_info.output_token_logprobs`
+  ([logprob, token_id, text] per token) are cumulative likewise;
+- `meta_info` carries `prompt_tokens`, `completion_tokens`, `cached_tokens`
+  and, on the last event, `finish_reason` ({"type": "stop" | "length" |
+  "abort", ...}); the stream ends with `data: [DONE]`;
+- stop strings are trimmed from the text by SGLang itself;
+- /tokenize and /detokenize exist in recent versions: probed at load;
+- /metrics (with --enable-metrics): sglang:num_running_reqs,
+  sglang:num_queue_reqs, sglang:token_usage, sglang:cache_hit_rate.
+
+Not in the native API, so refused: chat messages (its chat template runs
+in its OpenAI API: use the openai backend for that), a per-request seed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from modeld.backends.base import Capability
+from modeld.backends.errors import ErrorKind, LoadFailed, ModeldError, Unimplemented
+from modeld.backends.generation.params import FinishReason, GenerateRequest, TokenEvent, TokenLogprob
+from modeld.backends.remote.health import FailureKind
+from modeld.backends.remote.http import RemoteFailure
+from modeld.backends.remote.model import RemoteBackend
+from modeld.backends.remote.protocol import (
+    PROBE_TIMEOUT_S, RemoteFinish, RemoteLoad, RemoteProtocol, Sample, metric_sum, served_names,
+)
+
+_KIND_BY_STATUS = {400: ErrorKind.INVALID_ARGUMENT, 404: ErrorKind.NOT_FOUND, 413: ErrorKind.RESOURCE_EXHAUSTED,
+                   429: ErrorKind.RESOURCE_EXHAUSTED}
+
+
+class SglangProtocol(RemoteProtocol):
+    engine = "sglang"
+
+    def __init__(self, http, model: str) -> None:
+        super().__init__(http, model)
+        self.token_routes = ""  # "" or why /tokenize is not there
+
+    async def inspect(self) -> None:
+        info = await self.http.get_json("/get_model_info")
+        if not isinstance(info, dict):
+            raise LoadFailed(f"{self.where} answered /get_model_info with {info!r}"[:300])
+        if info.get("is_generation") is False:
+            raise LoadFailed(f"{self.where} serves {info.get('model_path')!r}, which is not a generative model")
+        names = served_names(str(info.get("model_path", ""))) | {str(info.get("served_model_name", ""))}
+        if self.model not in names:
+            raise LoadFailed(f"{self.where} serves {info.get('model_path')!r}, not {self.model!r} (its "
+                             "/get_model_info); set [remote] model to the served name")
+        await self._find_token_routes()
+        await self.find_metrics()
+
+    async def _find_token_routes(self) -> None:
+        try:
+            await self.tokenize_now("probe")
+        except ModeldError as exc:
+            self.token_routes = f"{self.where} has no working /tokenize ({exc})"
+
+    def server_capabilities(self) -> dict[str, str]:
+        tokens = "yes: /tokenize, /detokenize" if not self.token_routes else f"no: {self.token_routes}"
+        return {**super().server_capabilities(), "tokenize": tokens, "detokenize": tokens,
+                "usage": "reported by the server (meta_info)"}
+
+    def refusal(self, request: GenerateRequest) -> str | None:
+        reason = super().refusal(request)
+        if reason:
+            return reason
+        if request.messages:
+            return ("SGLang's native /generate takes text or token ids; chat messages need its OpenAI API "
+                    "(engine = \"sglang\" with backends = [\"openai\"])")
+        if request.params.seed is not None:
+            return "SGLang's documented /generate sampling_params take no per-request seed"
+        return None
+
+    def body(self, request: GenerateRequest) -> dict[str, Any]:
+        p = request.params
+        sampling = {"max_new_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
+                    "top_k": p.top_k or -1, "min_p": p.min_p, "ignore_eos": p.ignore_eos,
+                    # modeld has no repetition knobs: neutral, whatever the server defaults to
+                    "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+        if p.stop:
+            sampling["stop"] = list(p.stop)
+        if p.stop_token_ids:
+            sampling["stop_token_ids"] = list(p.stop_token_ids)
+        body: dict[str, Any] = {"sampling_params": sampling, "stream": True,
+                                # logprobs also name each token's id
+                                "return_logprob": True, "top_logprobs_num": p.logprobs}
+        if request.token_ids:
+            body["input_ids"] = list(request.token_ids)
+        else:
+            body["text"] = request.prompt
+        return body
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | RemoteFinish]:
+        seen = _Seen()
+        async for event in self.http.events("/generate", self.body(request)):
+            if not isinstance(event, dict):
+                raise RemoteFailure(f"{self.where} sent an event that is not a JSON object"[:300],
+                                    FailureKind.BROKEN_STREAM)
+            if event.get("error"):
+                yield _error_finish(self.where, event["error"], seen)
+                return
+            token = self.token_event(event, seen, request.params.logprobs)
+            if token is not None:
+                yield token
+            meta = event.get("meta_info") or {}
+            if meta.get("finish_reason"):
+                yield self.finish(meta, seen)
+                return
+
+    def token_event(self, event: dict, seen: _Seen, num_top: int) -> TokenEvent | None:
+        text = event.get("text") or ""
+        if not text.startswith(seen.text):
+            raise RemoteFailure(f"{self.where} sent text that does not extend the text before it; modeld reads "
+                                "SGLang's cumulative stream (start it without incremental streaming output)",
+                                FailureKind.BROKEN_STREAM)
+        delta, seen.text = text[len(seen.text):], text
+        meta = event.get("meta_info") or {}
+        entries = meta.get("output_token_logprobs") or []
+        new_entries = entries[seen.num_tokens:]
+        ids = [int(e[1]) for e in new_entries if isinstance(e, (list, tuple)) and len(e) >= 2]
+        if not ids and isinstance(event.get("output_ids"), list):
+            ids = [int(i) for i in event["output_ids"][seen.num_tokens:]]
+        if not delta and not ids:
+            return None
+        tops_all = meta.get("output_top_logprobs") or []
+        new_tops = tops_all[seen.num_tokens:seen.num_tokens + len(ids)]
+        seen.num_tokens += len(ids)
+        if not num_top or len(new_entries) != len(ids):
+            return TokenEvent(tuple(ids), delta)
+        chosen = tuple(TokenLogprob(int(e[1]), float(e[0])) for e in new_entries)
+        tops = tuple(_top(t, num_top) for t in new_tops) + ((),) * (len(ids) - len(new_tops))
+        return TokenEvent(tuple(ids), delta, chosen, tops)
+
+    def finish(self, meta: dict, seen: _Seen) -> RemoteFinish:
+        reason = meta["finish_reason"]
+        kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+        figures = dict(prompt_tokens=int(meta.get("prompt_tokens") or 0),
+                       cached_prompt_tokens=int(meta.get("cached_tokens") or 0),
+                       completion_tokens=int(meta.get("completion_tokens") or seen.num_tokens))
+        if kind == "stop":
+            return RemoteFinish(FinishReason.STOP, **figures)
+        if kind == "length":
+            return RemoteFinish(FinishReason.LENGTH, **figures)
+        message = reason.get("message", "") if isinstance(reason, dict) else ""
+        status = reason.get("status_code") if isinstance(reason, dict) else None
+        return RemoteFinish(FinishReason.ERROR, error=f"{self.where} ended the sequence ({kind}): {message}".rstrip(": "),
+                            error_kind=_KIND_BY_STATUS.get(status, ErrorKind.UNAVAILABLE), **figures)
+
+    # -- tokens --------------------------------------------------------------------------
+
+    async def tokenize(self, text: str) -> list[int]:
+        if self.token_routes:
+            raise Unimplemented(self.token_routes)
+        return await self.tokenize_now(text)
+
+    async def tokenize_now(self, text: str) -> list[int]:
+        reply = await self.http.post_json("/tokenize", {"model": self.model, "prompt": text}, PROBE_TIMEOUT_S)
+        tokens = reply.get("tokens") if isinstance(reply, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise RemoteFailure(f"{self.where} answered /tokenize without token ids: {reply!r}"[:300],
+                                FailureKind.BROKEN_STREAM)
+        return tokens
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        if self.token_routes:
+            raise Unimplemented(self.token_routes)
+        reply = await self.http.post_json("/detokenize", {"model": self.model, "tokens": list(token_ids)})
+        text = reply.get("text", reply.get("prompt")) if isinstance(reply, dict) else None
+        if not isinstance(text, str):
+            raise RemoteFailure(f"{self.where} answered /detokenize without text: {reply!r}"[:300],
+                                FailureKind.BROKEN_STREAM)
+        return text
+
+    # -- load ------------------------------------------------------------------------------
+
+    def read_load(self, samples: list[Sample]) -> RemoteLoad | None:
+        running = metric_sum(samples, ("sglang:num_running_reqs",), self.model)
+        if running is None:
+            return None
+        return RemoteLoad(
+            num_running=int(running),
+            num_waiting=int(metric_sum(samples, ("sglang:num_queue_reqs",), self.model) or 0),
+            kv_cache_usage=metric_sum(samples, ("sglang:token_usage",), self.model),
+            prefix_cache_hit_ratio=metric_sum(samples, ("sglang:cache_hit_rate",), self.model),
+        )
+
+
+class _Seen:
+    """How much of SGLang's cumulative stream has gone out already."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.num_tokens = 0
+
+
+def _top(entries: Any, n: int) -> tuple[TokenLogprob, ...]:
+    if not isinstance(entries, list):
+        return ()
+    ranked = sorted((e for e in entries if isinstance(e, (list, tuple)) and len(e) >= 2), key=lambda e: -float(e[0]))
+    return tuple(TokenLogprob(int(e[1]), float(e[0])) for e in ranked[:n])
+
+
+def _error_finish(where: str, error: Any, seen: _Seen) -> RemoteFinish:
+    message = error.get("message", error) if isinstance(error, dict) else error
+    return RemoteFinish(FinishReason.ERROR, completion_tokens=seen.num_tokens,
+                        error=f"{where} failed the sequence: {message}", error_kind=ErrorKind.UNAVAILABLE)
+
+
+class SglangBackend(RemoteBackend):
+    name = "sglang"
+    engines = ("sglang",)
+    protocol = SglangProtocol
+    capabilities = frozenset({
+        Capability.GENERATION, Capability.STREAMING, Capability.LOGPROBS,
+        Capability.CONTINUOUS_BATCHING, Capability.PREFIX_CACHE,  # its scheduler and RadixAttention
+    })
