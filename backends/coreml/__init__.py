@@ -1,0 +1,1 @@
+"""Core ML (macOS): converted models, compiled once and cached."""

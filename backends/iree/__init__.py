@@ -1,0 +1,1 @@
+"""IREE (OpenXLA): ONNX graphs compiled ahead of time for the CPU."""

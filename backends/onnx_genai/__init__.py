@@ -1,0 +1,1 @@
+"""ONNX Runtime for language models (onnxruntime-genai)."""
