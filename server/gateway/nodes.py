@@ -70,8 +70,13 @@ class Node:
 
     @property
     def routable(self) -> bool:
-        return self.serving and self.responsive and not (self.stats is not None and self.stats.draining) \
-            and self.breaker.would_allow()
+        return self.responsive and self.usable
+
+    @property
+    def usable(self) -> bool:
+        """Routable but for a late Stats answer: when every node is slow to
+        answer (a busy machine), calls still go to one of these rather than fail."""
+        return self.serving and not (self.stats is not None and self.stats.draining) and self.breaker.would_allow()
 
     def load(self) -> float:
         """Calls in flight there: this gateway's own count, which is exact

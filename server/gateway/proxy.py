@@ -127,13 +127,18 @@ class Router:
         self._pick_counters: dict[tuple[str, str], object] = {}
         fleet.listeners.append(self._forget_cold_caches)
 
+    def remember_prompt(self, node: str, key: str) -> None:
+        self.prefixes.insert(node, key)
+        self._warm_nodes.add(node)
+
     def _forget_cold_caches(self) -> None:
         """A node that stopped serving (restarted, left) lost its KV cache:
         its prefixes must not draw conversations back to it."""
-        serving = {name for name, node in self.fleet.by_name.items() if node.serving}
-        for name in self._warm_nodes - serving:
-            self.prefixes.remove_node(name)
-        self._warm_nodes = serving
+        for name in list(self._warm_nodes):
+            node = self.fleet.by_name.get(name)
+            if node is None or not node.serving:
+                self.prefixes.remove_node(name)
+                self._warm_nodes.discard(name)
 
     def _fleet_load(self) -> tuple[float, int]:
         """Total load and count of the nodes that may take calls, for the
@@ -146,12 +151,12 @@ class Router:
             self._fleet_load_at = now
         return self._fleet_load_value
 
-    def _admitted(self, exclude: frozenset[str]):
+    def _admitted(self, exclude: frozenset[str], strict: bool = True):
         by_name = self.fleet.by_name
 
         def admitted(name: str) -> bool:
             node = by_name.get(name)
-            return node is not None and name not in exclude and node.routable
+            return node is not None and name not in exclude and (node.routable if strict else node.usable)
         return admitted
 
     def _load(self, name: str) -> float:
@@ -164,8 +169,9 @@ class Router:
               exclude: frozenset[str] = frozenset()) -> tuple[Node, str]:
         """A node for the call and why, with its breaker's admission taken;
         UNAVAILABLE with the reason when no node can take it."""
-        for _ in range(max(1, len(self.fleet.by_name))):
-            admitted = self._admitted(exclude)
+        strict = True
+        for _ in range(2 * max(1, len(self.fleet.by_name))):
+            admitted = self._admitted(exclude, strict)
             if update or not model:
                 pick = place_update(self.fleet.by_name, admitted=admitted, load=self._load, score=self._score,
                                     rng=self.rng, min_score=self.settings.min_score)
@@ -179,9 +185,12 @@ class Router:
                              score=self._score, rng=self.rng, min_score=self.settings.min_score,
                              bound=self.settings.load_bound,
                              loaded=lambda name: self.fleet.by_name[name].has_model(model), prefix=prefix,
-                             fleet_load=None if exclude else self._fleet_load())
+                             fleet_load=None if exclude or not strict else self._fleet_load())
             if pick is None:
-                break
+                if not strict:
+                    break
+                strict = False  # every node missed its last Stats deadline: take a slow one over none
+                continue
             node = self.fleet.by_name[pick.node]
             if node.breaker.allow():  # takes the half-open probe, if that is what it is
                 reason = getattr(pick.reason, "value", pick.reason)
@@ -200,7 +209,8 @@ class Router:
             source = f"DNS name {self.settings.dns} resolves to no address" if self.settings.dns else "no nodes"
             return f"no daemon to route to: {source}"
         states = ", ".join(
-            f"{n.name} ({'serving' if n.serving else 'not serving'}, breaker {n.breaker.state.value}, "
+            f"{n.name} ({'serving' if n.serving else 'not serving'}, "
+            f"{'answering' if n.responsive else 'not answering its Stats probes'}, breaker {n.breaker.state.value}, "
             f"score {n.score():.2f})" for n in nodes)
         what = f"model {model!r}" if model else "this call"
         return f"no healthy node can take {what}: {states}"
@@ -578,7 +588,7 @@ class GatewayService:
             for attempt in range(2):
                 node, reason = self.router.place(request.model, update=opts.update, key=key, exclude=tried)
                 if key:
-                    self.router.prefixes.insert(node.name, key)
+                    self.router.remember_prompt(node.name, key)
                 log.debug("routed", method=method, model=request.model, node=node.name, reason=reason,
                           request_id=opts.request_id)
                 seen: list[bytes] = []
@@ -596,7 +606,7 @@ class GatewayService:
                     continue
                 if key:
                     text = "".join(generation_pb2.GenerateResponse.FromString(r).text for r in seen)
-                    self.router.prefixes.insert(node.name, _continued_key(request, key, text))
+                    self.router.remember_prompt(node.name, _continued_key(request, key, text))
                 return
         except CallFailed as exc:
             await self._abort(context, exc)

@@ -1,0 +1,66 @@
+"""The gateway's Router over real Node objects (no daemons behind them):
+which nodes a call may go to as their health, probes and breakers change."""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+
+from modeld.server.gateway.config import GatewaySettings
+from modeld.server.gateway.metrics import GatewayMetrics
+from modeld.server.gateway.nodes import Fleet, Node
+from modeld.server.gateway.proxy import CallFailed, Router
+
+ADDRESSES = tuple(f"127.0.0.1:{9100 + i}" for i in range(3))
+
+
+@pytest.fixture
+async def router():
+    settings = GatewaySettings(nodes=ADDRESSES)
+    metrics = GatewayMetrics()
+    fleet = Fleet(settings, metrics)
+    for address in ADDRESSES:  # as if each had said SERVING; no watch tasks run
+        node = Node(address, settings, metrics, fleet._changed)
+        node.serving = node.ever_served = True
+        fleet.by_address[address] = node
+    fleet._rebuild()
+    yield Router(fleet, settings, metrics, rng=random.Random(0))
+    await fleet.close()
+
+
+async def test_calls_stay_on_the_model_s_homes(router):
+    homes = set(router.fleet.ring.replicas("minilm", 2))
+    picked = {router.place("minilm")[0].name for _ in range(50)}
+    assert picked == homes  # both homes share the work; the third node gets none
+
+
+async def test_a_node_that_missed_its_probe_is_skipped_while_others_answer(router):
+    first, second = router.fleet.ring.replicas("minilm", 2)
+    router.fleet.by_name[first].responsive = False
+    assert {router.place("minilm")[0].name for _ in range(30)} == {second}
+
+
+async def test_when_every_node_is_slow_to_answer_calls_still_go_somewhere(router):
+    for node in router.fleet.nodes():
+        node.responsive = False
+    node, _ = router.place("minilm")
+    assert node.name in router.fleet.ring.replicas("minilm", 2)
+
+
+async def test_no_usable_node_is_unavailable_with_each_node_s_state(router):
+    for node in router.fleet.nodes():
+        node.breaker.trip()
+    with pytest.raises(CallFailed) as err:
+        router.place("minilm")
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert all(a in err.value.details for a in ADDRESSES) and "breaker open" in err.value.details
+
+
+async def test_a_node_that_restarts_loses_its_prefixes(router):
+    node, _ = router.place("smollm2", key="x" * 256)
+    router.remember_prompt(node.name, "x" * 256)
+    assert router.prefixes.match("x" * 256).get(node.name) == 256
+    node._set_serving(False, "test")
+    assert node.name not in router.prefixes.match("x" * 256)
