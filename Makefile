@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: all venv models serve test test-all bench proto node clean
+.PHONY: all venv models serve test test-all test-remote vllm-env bench proto node clean
 
 all: test
 
@@ -46,14 +46,30 @@ serve: models
 test: models node
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-test-all: models node
+# vLLM (CPU build) in its own environment, and the HF-format SmolLM2 it serves;
+# both are built once and kept (the script and the converter are idempotent;
+# order-only: reinstalling modeld's venv does not make the weights stale)
+HF_SMOLLM2 := var/hf/smollm2/.modeld-complete
+
+vllm-env:
+	bash bench/peers/vllm_env.sh
+
+$(HF_SMOLLM2): | $(STAMP)
+	$(BIN)/python bench/peers/hf_weights.py --out var/hf/smollm2
+
+test-remote: models vllm-env $(HF_SMOLLM2)
+	$(BIN)/pytest -m remote tests/remote $(PYTEST_ARGS)
+
+test-all: models node vllm-env $(HF_SMOLLM2)
 	$(BIN)/pytest -m '' $(PYTEST_ARGS)
 
-bench: models
+bench: models vllm-env $(HF_SMOLLM2)
 	$(BIN)/python bench/bench_minilm.py
 	$(BIN)/python bench/bench_llamacpp.py
 	$(BIN)/python bench/bench_torch.py
 	$(BIN)/python bench/bench_http.py
+	$(BIN)/python bench/bench_gateway.py
+	$(BIN)/python bench/bench_remote.py
 
 proto: $(STAMP)
 	$(BIN)/python gen/build.py
