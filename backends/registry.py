@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import Callable
 
 from modeld.backends.base import Backend, Verdict
 from modeld.backends.errors import InvalidArgument
@@ -16,8 +17,11 @@ from modeld.backends.errors import InvalidArgument
 BACKENDS: dict[str, str] = {
     "onnx": "modeld.backends.onnx.backend:OnnxBackend",
     "reference": "modeld.backends.reference.backend:ReferenceBackend",
+    "iree": "modeld.backends.iree.backend:IreeBackend",  # ONNX compiled ahead of time (OpenXLA)
     "llamacpp": "modeld.backends.llamacpp.backend:LlamaCppBackend",
     "torch": "modeld.backends.torch.backend:TorchBackend",
+    "onnx-genai": "modeld.backends.onnx_genai.backend:OnnxGenaiBackend",
+    "coreml": "modeld.backends.coreml.backend:CoreMLBackend",  # macOS only; registered everywhere
     # remote engines (format = "remote" models): one module per wire protocol
     "openai": "modeld.backends.remote.openai:OpenAIBackend",
     "vllm": "modeld.backends.remote.vllm:VllmBackend",
@@ -63,6 +67,20 @@ class BackendRegistry:
             if name not in BACKENDS:
                 raise InvalidArgument(f"unknown backend {name!r}; known backends: {', '.join(sorted(BACKENDS))}")
         return [self._entries[n].backend for n in preferred if n in self._entries and self._entries[n].backend]
+
+    def load_order(self, preferred: tuple[str, ...], is_healthy: Callable[[str], bool],
+                   after: Backend | None = None) -> list[Backend]:
+        """The order to try backends in for a new load: `candidates` (only
+        those ranked below `after` when the model's backend `after` failed),
+        healthy first. An unhealthy backend (`is_healthy`, the engine's
+        health tracker) is skipped while another can serve the model and
+        tried last, not refused: a model only it serves would otherwise be
+        down for the cool-down because other models failed there."""
+        ranked = self.candidates(preferred)
+        if after is not None:
+            ranked = ranked[ranked.index(after) + 1:] if after in ranked else []
+        healthy = [b for b in ranked if is_healthy(b.name)]
+        return healthy + [b for b in ranked if b not in healthy]
 
 
 def _instantiate(name: str) -> RegisteredBackend:

@@ -45,7 +45,7 @@ class ModelLoad(_message.Message):
     def __init__(self, name: _Optional[str] = ..., backend: _Optional[str] = ..., state: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_cells_used: _Optional[int] = ..., kv_cells_capacity: _Optional[int] = ..., p99_latency_s: _Optional[float] = ..., p95_latency_s: _Optional[float] = ..., request_count: _Optional[int] = ..., failure_count: _Optional[int] = ...) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("node_id", "models", "memory_used_bytes", "memory_budget_bytes", "in_flight", "queue_depth", "kv_cells_used", "kv_cells_capacity", "uptime_s", "gpu_memory_used_bytes", "gpu_memory_total_bytes", "draining")
+    __slots__ = ("node_id", "models", "memory_used_bytes", "memory_budget_bytes", "in_flight", "queue_depth", "kv_cells_used", "kv_cells_capacity", "uptime_s", "gpu_memory_used_bytes", "gpu_memory_total_bytes", "draining", "unhealthy_backends")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class NodeStats(_message.Message):
     GPU_MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     GPU_MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    UNHEALTHY_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     models: _containers.RepeatedCompositeFieldContainer[ModelLoad]
     memory_used_bytes: int
@@ -70,4 +71,15 @@ class NodeStats(_message.Message):
     gpu_memory_used_bytes: int
     gpu_memory_total_bytes: int
     draining: bool
-    def __init__(self, node_id: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelLoad, _Mapping]]] = ..., memory_used_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_cells_used: _Optional[int] = ..., kv_cells_capacity: _Optional[int] = ..., uptime_s: _Optional[float] = ..., gpu_memory_used_bytes: _Optional[int] = ..., gpu_memory_total_bytes: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    unhealthy_backends: _containers.RepeatedCompositeFieldContainer[UnhealthyBackend]
+    def __init__(self, node_id: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelLoad, _Mapping]]] = ..., memory_used_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_cells_used: _Optional[int] = ..., kv_cells_capacity: _Optional[int] = ..., uptime_s: _Optional[float] = ..., gpu_memory_used_bytes: _Optional[int] = ..., gpu_memory_total_bytes: _Optional[int] = ..., draining: _Optional[bool] = ..., unhealthy_backends: _Optional[_Iterable[_Union[UnhealthyBackend, _Mapping]]] = ...) -> None: ...
+
+class UnhealthyBackend(_message.Message):
+    __slots__ = ("name", "reason", "retry_in_s")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RETRY_IN_S_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    reason: str
+    retry_in_s: float
+    def __init__(self, name: _Optional[str] = ..., reason: _Optional[str] = ..., retry_in_s: _Optional[float] = ...) -> None: ...

@@ -92,6 +92,7 @@ class Daemon:
         self.engine = Engine(
             ModelRepository(settings.model_repository, Path(self._inline_dir.name)),
             self.registry, MemoryManager(settings.memory_budget), self.metrics, settings.lazy_load,
+            settings.health_policy(),
         )
         self.health = health.aio.HealthServicer()
         self.engine.add_listener(self._on_model_state)

@@ -131,6 +131,8 @@ def run_client_command(args) -> int:
             if args.command == "models":
                 for m in client.models():
                     print(f"{m.name}\t{m.version}\t{m.state}\t{m.reason}")
+                for b in _unhealthy_backends(client):
+                    print(f"{b.name}\tbackend\tUNHEALTHY\t{b.reason}; new loads skip it for {b.retry_in_s:.0f}s more")
             elif args.command == "health":
                 status = client.health(args.service)
                 print(status)
@@ -154,6 +156,17 @@ def run_client_command(args) -> int:
         print(f"modeld: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     return 0
+
+
+def _unhealthy_backends(client) -> list:
+    import grpc
+
+    try:
+        return list(client.node_stats().unhealthy_backends)
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # a gateway serves no node stats of its own
+            return []
+        raise
 
 
 def _has_float(value) -> bool:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from modeld.backends.sizes import format_size, parse_size
+from modeld.server.backend_health import HealthPolicy
 
 DEFAULT_BUDGET_FRACTION = 0.5
 
@@ -44,6 +45,14 @@ class Settings:
     drain_delay_s: float = 0.5  # NOT_SERVING is visible this long before the port closes
     log_level: str = "info"
     log_format: str = "json"
+    # fallbacks that mark a backend unhealthy within the window, and how long
+    # new loads then skip it (server/backend_health.py gives the reasons)
+    backend_unhealthy_after: int = HealthPolicy.unhealthy_after
+    backend_health_window_s: float = HealthPolicy.window_s
+    backend_cooldown_s: float = HealthPolicy.cooldown_s
+
+    def health_policy(self) -> HealthPolicy:
+        return HealthPolicy(self.backend_unhealthy_after, self.backend_health_window_s, self.backend_cooldown_s)
 
     def describe(self) -> str:
         return (f"repository={self.model_repository} grpc={self.host}:{self.grpc_port} "
@@ -64,6 +73,9 @@ _PARSERS = {
     "drain_delay_s": float,
     "log_level": str,
     "log_format": str,
+    "backend_unhealthy_after": int,
+    "backend_health_window_s": float,
+    "backend_cooldown_s": float,
 }
 
 
@@ -137,6 +149,9 @@ def _validate(s: Settings) -> None:
         ("shutdown_grace_s", s.shutdown_grace_s >= 0, "shutdown_grace_s must not be negative"),
         ("drain_delay_s", s.drain_delay_s >= 0, "drain_delay_s must not be negative"),
         ("log_format", s.log_format in ("json", "console"), f"log_format {s.log_format!r} must be json or console"),
+        ("backend_unhealthy_after", s.backend_unhealthy_after >= 1, "backend_unhealthy_after must be at least 1"),
+        ("backend_health_window_s", s.backend_health_window_s > 0, "backend_health_window_s must be positive"),
+        ("backend_cooldown_s", s.backend_cooldown_s > 0, "backend_cooldown_s must be positive"),
     )
     for key, ok, message in checks:
         if not ok:

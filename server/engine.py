@@ -29,11 +29,13 @@ from modeld.backends.errors import (
 )
 from modeld.backends.model_config import ModelConfig
 from modeld.backends.registry import BackendRegistry
+from modeld.server.backend_health import BackendHealthTracker, HealthChange, HealthPolicy, UnhealthyBackend
 from modeld.server.batcher import BatchReport, DynamicBatcher
 from modeld.server.memory import MemoryManager, ModelKey
 from modeld.server.metrics import GenerationMetrics, Metrics
 from modeld.server.os_memory import release_freed_memory
 from modeld.server.repository import ModelRepository, ModelSource
+from modeld.server.rerank import plan_rerank, resolve_embedding_model
 from modeld.server.request_context import current_protocol
 from modeld.server.requests import InferRequest, InferResult, ModelState, ModelStatus
 from modeld.server.stats import ModelStats
@@ -77,7 +79,7 @@ StateListener = Callable[[str, ModelState], None]
 
 class Engine:
     def __init__(self, repository: ModelRepository, registry: BackendRegistry, memory: MemoryManager,
-                 metrics: Metrics, lazy_load: bool = True) -> None:
+                 metrics: Metrics, lazy_load: bool = True, health_policy: HealthPolicy = HealthPolicy()) -> None:
         self.repository = repository
         self.registry = registry
         self.memory = memory
@@ -94,6 +96,11 @@ class Engine:
         self._load_lock = asyncio.Lock()
         self._listeners: list[StateListener] = []
         metrics.budget_bytes.set(memory.budget)
+        self.backend_health = BackendHealthTracker(health_policy)
+        self.backend_health.add_listener(self._on_backend_health)
+        self._health_timer: asyncio.TimerHandle | None = None
+        for backend in registry.available():
+            metrics.backend_healthy.labels(backend.name).set(1)
 
     # -- state ---------------------------------------------------------------
 
@@ -173,11 +180,11 @@ class Engine:
         self._notify(name, self.state_of(name))
 
     async def _load(self, name: str, source: ModelSource | None) -> ServedModel:
-        source = self._resolve_draft(source or self.repository.resolve(name))
+        source = resolve_embedding_model(self._resolve_draft(source or self.repository.resolve(name)), self.repository)
         if name in self._served:
             await self.unload(name, forget_inline=False)
         reasons: list[str] = []
-        for backend in self.registry.candidates(source.config.backends):
+        for backend in self.registry.load_order(source.config.backends, self.backend_health.is_healthy):
             verdict = backend.can_serve(source.config, source.model_dir)
             if not verdict.ok:
                 reasons.append(f"{backend.name}: {verdict.reason}")
@@ -186,7 +193,7 @@ class Engine:
                 served = await self._load_on(backend, source)
             except LoadFailed as exc:
                 reasons.append(f"{backend.name}: {exc}")
-                self.metrics.fallbacks.labels(name, backend.name, "load").inc()
+                self._count_fallback(name, backend.name, "load", str(exc))
                 log.warning("backend_load_failed", model=name, backend=backend.name, reason=str(exc))
                 continue
             self._failures.pop(name, None)
@@ -367,6 +374,8 @@ class Engine:
         self._notify(name, ModelState.UNAVAILABLE)
 
     async def stop(self) -> None:
+        if self._health_timer is not None:
+            self._health_timer.cancel()
         for name in list(self._served):
             await self._drop(self._served[name])
 
@@ -432,9 +441,13 @@ class Engine:
         missing = served.backend.missing(request.required)
         if missing:
             raise Unimplemented(_capability_message(served, missing))
-        validate_inputs(request, served.loaded.inputs, served.loaded.outputs, served.config)
+        rerank = plan_rerank(request, served.config)  # a rerank model's documents as rows of pairs
+        if rerank is None:
+            validate_inputs(request, served.loaded.inputs, served.loaded.outputs, served.config)
         self.memory.acquire(served.key)
         try:
+            if rerank is not None:
+                return served, await rerank.run(served.batcher.submit)
             return served, await served.batcher.submit(request.inputs, request.output_names, request.priority)
         except BackendFailure as exc:
             fallback = await self._fall_back(served, exc)
@@ -543,6 +556,8 @@ class Engine:
             if fail_over:
                 raise
             return served
+        # counted, but not as the backend's health: the remote's own tracker
+        # follows this one server, while the backend (a protocol) spans many
         self.metrics.fallbacks.labels(served.config.name, served.backend.name, "run").inc()
         return standby
 
@@ -553,8 +568,7 @@ class Engine:
         served.standby = asyncio.get_running_loop().create_task(self._load_standby(served))
 
     def _later_backends(self, served: ServedModel) -> list[Backend]:
-        candidates = self.registry.candidates(served.config.backends)
-        return candidates[candidates.index(served.backend) + 1:] if served.backend in candidates else []
+        return self.registry.load_order(served.config.backends, self.backend_health.is_healthy, after=served.backend)
 
     async def _load_standby(self, served: ServedModel) -> ServedModel:
         reasons = []
@@ -601,13 +615,12 @@ class Engine:
     async def _fall_back(self, failed: ServedModel, exc: BackendFailure) -> ServedModel:
         """Move a model whose backend failed at run time to the next backend."""
         name = failed.config.name
-        self.metrics.fallbacks.labels(name, failed.backend.name, "run").inc()
+        self._count_fallback(name, failed.backend.name, "run", str(exc))
         log.warning("backend_run_failed", model=name, backend=failed.backend.name, reason=str(exc))
         current = self._served.get(name)
         if current is not None and current is not failed:
             return current  # another request already moved it
-        candidates = self.registry.candidates(failed.config.backends)
-        later = candidates[candidates.index(failed.backend) + 1:] if failed.backend in candidates else []
+        later = self.registry.load_order(failed.config.backends, self.backend_health.is_healthy, after=failed.backend)
         for backend in later:
             if not backend.can_serve(failed.config, failed.source.model_dir).ok:
                 continue
@@ -618,6 +631,35 @@ class Engine:
             asyncio.get_running_loop().create_task(self._drop(failed))
             return served
         raise Unavailable(f"model {name!r} failed on backend {failed.backend.name} and no other backend can serve it: {exc}")
+
+    # -- backend health: fallbacks mark a backend unhealthy for a cool-down ----
+
+    def unhealthy_backends(self) -> list[UnhealthyBackend]:
+        return self.backend_health.unhealthy()
+
+    def _count_fallback(self, model: str, backend: str, stage: str, reason: str) -> None:
+        self.metrics.fallbacks.labels(model, backend, stage).inc()
+        self.backend_health.record_fallback(backend, f"model {model!r} ({stage}): {reason}")
+
+    def _on_backend_health(self, change: HealthChange) -> None:
+        self.metrics.backend_healthy.labels(change.backend).set(1 if change.is_healthy else 0)
+        if change.is_healthy:
+            log.info("backend_recovered", backend=change.backend, reason=change.reason)
+            return
+        log.warning("backend_unhealthy", backend=change.backend, reason=change.reason,
+                    cooldown_s=self.backend_health.policy.cooldown_s)
+        self._schedule_health_refresh()
+
+    def _schedule_health_refresh(self) -> None:
+        """Wake when the earliest cool-down ends, so the metric and the log
+        turn on time even when no load asks the tracker. A wake-up a little
+        early (asyncio's clock resolution) finds nothing due and sleeps again."""
+        if self._health_timer is not None:
+            self._health_timer.cancel()
+            self._health_timer = None
+        delay = self.backend_health.next_recovery_in()  # also recovers what is due
+        if delay is not None:
+            self._health_timer = asyncio.get_running_loop().call_later(delay, self._schedule_health_refresh)
 
 
 @contextlib.asynccontextmanager

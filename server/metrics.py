@@ -24,6 +24,7 @@ class Metrics:
         self.used_bytes = Gauge("modeld_memory_used_bytes", "Bytes held by all loaded models", registry=r)
         self.evictions = Counter("modeld_evictions", "Models evicted to make room", ["model", "backend"], registry=r)
         self.fallbacks = Counter("modeld_backend_fallbacks", "Times a backend failed and the next one was tried", ["model", "from_backend", "stage"], registry=r)
+        self.backend_healthy = Gauge("modeld_backend_healthy", "0 while a backend's fallbacks have it skipped for new loads (its cool-down), else 1", ["backend"], registry=r)
         self.loads = Counter("modeld_model_loads", "Model loads by outcome", ["model", "outcome"], registry=r)
         # language models
         self.time_to_first_token = Histogram("modeld_time_to_first_token_seconds", "Arrival to first token", ["model", "backend"], buckets=_LATENCY_BUCKETS, registry=r)

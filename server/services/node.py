@@ -85,6 +85,8 @@ class NodeService(pb_grpc.NodeServicer):
             gpu_memory_used_bytes=gpu_used,
             gpu_memory_total_bytes=gpu_total,
             draining=self.lifecycle.is_draining,
+            unhealthy_backends=[pb.UnhealthyBackend(name=b.name, reason=b.reason, retry_in_s=b.retry_in_s)
+                                for b in engine.unhealthy_backends()],
         )
 
     def _model_load(self, status: ModelStatus, memory_bytes: int) -> pb.ModelLoad:
