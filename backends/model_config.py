@@ -34,11 +34,20 @@ class ModelFormat(Enum):
     GGUF = "gguf"
     SAFETENSORS = "safetensors"  # Hugging Face weights plus config.json
     REMOTE = "remote"  # served by an engine server ([remote]); no local file
+    COREML = "coreml"  # .mlpackage / .mlmodel, or a torch.export .pt2 the coreml backend converts
+
+
+class ModelKind(Enum):
+    """What a model's inputs and outputs mean to the server."""
+
+    TENSOR = "tensor"  # the graph's own signature (language models: text in, tokens out)
+    RERANK = "rerank"  # BYTES query [1] and documents [n] in, FP32 scores [n] out (backends/rerank.py)
 
 
 # REMOTE has no file: its artifact path stays "" and no local backend serves it
 DEFAULT_ARTIFACTS = {ModelFormat.ONNX: "model.onnx", ModelFormat.GGUF: "model.gguf",
-                     ModelFormat.SAFETENSORS: "model.safetensors", ModelFormat.REMOTE: ""}
+                     ModelFormat.SAFETENSORS: "model.safetensors", ModelFormat.REMOTE: "",
+                     ModelFormat.COREML: "model.mlpackage"}
 
 # A remote model's local fallback artifact: its format follows from its name.
 _FORMAT_BY_SUFFIX = {".gguf": ModelFormat.GGUF, ".onnx": ModelFormat.ONNX, ".safetensors": ModelFormat.SAFETENSORS}
@@ -64,6 +73,25 @@ class TextSpec:
 
 
 @dataclass(frozen=True)
+class RerankSpec:
+    """`[rerank]` of a `kind = "rerank"` model. Empty: the model's own graph is
+    a cross-encoder. `embedding_model`: score by cosine similarity of that
+    repository model's text embeddings (a bi-encoder), loaded from its files."""
+
+    embedding_model: str = ""
+
+    @property
+    def is_bi_encoder(self) -> bool:
+        return bool(self.embedding_model)
+
+
+# A rerank model's signature, whatever scores it: the request's text and the
+# answer's order (server/rerank.py).
+RERANK_QUERY, RERANK_DOCUMENTS = "query", "documents"
+RERANK_SCORES, RERANK_INDICES = "scores", "indices"
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str
     format: ModelFormat = ModelFormat.ONNX
@@ -86,6 +114,8 @@ class ModelConfig:
     # name), so local backends judge that file exactly as they judge any
     # other model; REMOTE when there is no fallback artifact.
     is_remote: bool = False
+    kind: ModelKind = ModelKind.TENSOR
+    rerank: RerankSpec = RerankSpec()
 
     @property
     def artifact_path(self) -> str:
@@ -126,7 +156,7 @@ def config_from_json(name: str, text: str) -> ModelConfig:
 
 _KNOWN_KEYS = {
     "format", "backends", "artifact", "batching", "memory_estimate", "warmup",
-    "pinned", "lazy_load", "inputs", "outputs", "text", "name", *OPTIONS_BY_BACKEND,
+    "pinned", "lazy_load", "inputs", "outputs", "text", "name", "kind", "rerank", *OPTIONS_BY_BACKEND,
 }
 
 
@@ -145,6 +175,8 @@ def config_from_dict(name: str, raw: dict[str, Any]) -> ModelConfig:
     artifact = _safe_relative(name, reader.str("artifact", ""))
     backend_options = parse_backend_options(name, {k: reader.table(k) for k in OPTIONS_BY_BACKEND if k in raw})
     _check_remote(name, declared, "remote" in raw, backend_options)
+    kind = reader.enum("kind", ModelKind, ModelKind.TENSOR)
+    rerank = _rerank_spec(name, kind, raw, declared)
     return ModelConfig(
         name=name,
         format=_fallback_format(name, artifact) if declared is ModelFormat.REMOTE else declared,
@@ -163,6 +195,8 @@ def config_from_dict(name: str, raw: dict[str, Any]) -> ModelConfig:
         outputs=tuple(_tensor_specs(name, raw.get("outputs", []), "outputs")),
         text=_text_spec(name, reader.table("text")),
         backend_options=backend_options,
+        kind=kind,
+        rerank=rerank,
     )
 
 
@@ -298,6 +332,36 @@ def _text_spec(model: str, raw: dict[str, Any]) -> TextSpec | None:
         input=reader.str("input", "text"),
         max_length=reader.int("max_length", 256, minimum=1),
     )
+
+
+def _rerank_spec(model: str, kind: ModelKind, raw: dict[str, Any], declared: ModelFormat) -> RerankSpec:
+    table = _Reader(model, raw).table("rerank")
+    if kind is not ModelKind.RERANK:
+        if "rerank" in raw:
+            raise InvalidArgument(f"model {model!r}: a [rerank] table belongs to kind = \"rerank\"")
+        return RerankSpec()
+    unknown = sorted(set(table) - {"embedding_model"})
+    if unknown:
+        raise InvalidArgument(f"model {model!r}: unknown config key rerank.{unknown[0]}; known keys: embedding_model")
+    spec = RerankSpec(_Reader(model, table, "rerank.").str("embedding_model", ""))
+    if declared is not ModelFormat.ONNX:
+        raise InvalidArgument(f"model {model!r}: a rerank model is an ONNX graph (format = \"onnx\"), "
+                              f"not format = {declared.value!r}")
+    if spec.is_bi_encoder:
+        if not MODEL_NAME_RE.fullmatch(spec.embedding_model) or spec.embedding_model == model:
+            raise InvalidArgument(f"model {model!r}: config key rerank.embedding_model must name another model "
+                                  f"in the repository, got {spec.embedding_model!r}")
+        # the graph and the tokenizer are the embedding model's; a second
+        # set here would be silently unused
+        for key in ("artifact", "text"):
+            if key in raw:
+                raise InvalidArgument(f"model {model!r}: a rerank model with embedding_model uses that model's "
+                                      f"graph and tokenizer; remove {key!r}")
+    elif not raw.get("text"):
+        raise InvalidArgument(f"model {model!r}: a cross-encoder rerank model needs a [text] table naming its "
+                              "tokenizer (each query and document are tokenized as one pair), or set "
+                              "rerank.embedding_model to rank by an embedding model's cosine similarity")
+    return spec
 
 
 def _triton_to_native(raw: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""What the two ONNX-graph backends share: signature, validation, text front end."""
+"""What the two ONNX-graph backends share: signature, validation, text and rerank front ends."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import numpy as np
 
 from modeld.backends.base import LoadedModel
 from modeld.backends.errors import LoadFailed
-from modeld.backends.model_config import ModelConfig, TensorSpec
+from modeld.backends.model_config import ModelConfig, ModelKind, TensorSpec
+from modeld.backends.rerank import RerankFront
 from modeld.backends.text import TOKENIZER_INPUTS, TextEncoder
 
 
@@ -32,17 +33,26 @@ class GraphModel(LoadedModel):
         else:
             self.inputs = graph_inputs
         self.outputs = graph_outputs
+        self.rerank = None
+        if config.kind is ModelKind.RERANK:
+            self.rerank = RerankFront(config, self.text, graph_inputs, graph_outputs)
+            self.inputs, self.outputs = self.rerank.inputs, self.rerank.outputs
         _check_declared(config.inputs, self.inputs, "input")
         _check_declared(config.outputs, self.outputs, "output")
 
     def execute(self, inputs: dict[str, np.ndarray], output_names: tuple[str, ...]) -> dict[str, np.ndarray]:
+        if self.rerank is not None:
+            return self.rerank.execute(inputs, self._run_buckets)
         names = output_names or tuple(t.name for t in self.outputs)
         if self.text is None:
             return self._run(inputs, names)
         texts = inputs[self.config.text.input]
         buckets = self.text.encode_buckets(texts, {t.name for t in self.graph_inputs})
+        return self._run_buckets(texts.shape[0], buckets, names)
+
+    def _run_buckets(self, num_rows: int, buckets, names: tuple[str, ...]) -> dict[str, np.ndarray]:
         parts = [(rows, self._run(feeds, names)) for rows, feeds in buckets]
-        return {name: _scatter(texts.shape[0], [(rows, out[name]) for rows, out in parts]) for name in names}
+        return {name: _scatter(num_rows, [(rows, out[name]) for rows, out in parts]) for name in names}
 
     def _run(self, feeds: dict[str, np.ndarray], output_names: tuple[str, ...]) -> dict[str, np.ndarray]:
         raise NotImplementedError

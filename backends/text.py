@@ -28,8 +28,13 @@ class TextEncoder:
         self._tokenizer.no_padding()
         self.spec = spec
 
-    def encode_buckets(self, texts: np.ndarray, wanted: set[str]) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+    def encode_buckets(self, texts: np.ndarray, wanted: set[str],
+                       pairs: np.ndarray | None = None) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
         """texts: [batch] of bytes -> (row indices, graph inputs [rows, seq] int64) per bucket.
+
+        With `pairs` ([batch] of bytes) each row is the pair (texts[i],
+        pairs[i]) as a cross-encoder reads it: one sequence, the tokenizer's
+        pair template, token_type_ids 0 then 1, truncated longest first.
 
         A merged batch pads every sentence to its longest one, and on a
         compute-bound CPU the padding costs more than batching saves; so
@@ -37,6 +42,8 @@ class TextEncoder:
         at most BUCKET_SPREAD times their shortest.
         """
         strings = [_decode(t) for t in texts.reshape(-1)]
+        if pairs is not None:
+            strings = list(zip(strings, [_decode(t) for t in pairs.reshape(-1)]))
         encodings = self._tokenizer.encode_batch(strings)
         order = sorted(range(len(encodings)), key=lambda i: len(encodings[i].ids))
         buckets, current = [], []

@@ -175,9 +175,9 @@ class RequestIdMiddleware:
 
 def build_app(engine, lifecycle, max_message_bytes: int | None = None) -> Starlette:
     """Both fronts' routes behind the request-id middleware."""
-    from modeld.server.http import kserve, openai
+    from modeld.server.http import kserve, openai, rerank
 
-    routes = [*kserve.routes(engine, lifecycle), *openai.routes(engine, lifecycle)]
+    routes = [*kserve.routes(engine, lifecycle), *openai.routes(engine, lifecycle), *rerank.routes(engine)]
     app = Starlette(routes=routes)
     app.state.engine = engine
     app.state.lifecycle = lifecycle

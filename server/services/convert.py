@@ -17,6 +17,7 @@ from modeld.backends.base import Capability
 from modeld.backends.dtypes import NUMPY_BY_DATATYPE, datatype_of
 from modeld.backends.errors import InvalidArgument, Unimplemented
 from modeld.gen import inference_pb2 as pb
+from modeld.server.rerank import PARAMETERS as RERANK_PARAMETERS
 from modeld.server.requests import InferRequest, InferResult
 
 _CONTENTS_FIELD = {
@@ -33,7 +34,8 @@ _PARAMETER_CAPABILITIES = {
     "shared_memory_region": Capability.SHARED_MEMORY,
 }
 # Request parameters a tensor model understands; anything else would be
-# silently ignored, so it is refused instead.
+# silently ignored, so it is refused instead. A rerank model also takes
+# RERANK_PARAMETERS, which the engine refuses for every other model.
 TENSOR_PARAMETERS = ("priority", "timeout", "triton_enable_empty_final_response")
 
 
@@ -63,10 +65,11 @@ def request_from_proto(msg: pb.ModelInferRequest, request_id: str = "") -> Infer
         inputs[tensor.name] = decode_tensor(tensor, raw)
     parameters = {key: parameter_value(value) for key, value in msg.parameters.items()}
     required |= {cap for key, cap in _PARAMETER_CAPABILITIES.items() if key in parameters}
-    unknown = sorted(set(parameters) - set(TENSOR_PARAMETERS) - set(_PARAMETER_CAPABILITIES))
+    unknown = sorted(set(parameters) - set(TENSOR_PARAMETERS) - set(RERANK_PARAMETERS) - set(_PARAMETER_CAPABILITIES))
     if unknown:
         raise InvalidArgument(f"unknown request parameter {unknown[0]!r} for a tensor model; "
-                              f"it understands {', '.join(TENSOR_PARAMETERS)}")
+                              f"it understands {', '.join(TENSOR_PARAMETERS)} (a rerank model also "
+                              f"{', '.join(RERANK_PARAMETERS)})")
     outputs = []
     for out in msg.outputs:
         if "classification" in out.parameters:
