@@ -8,13 +8,18 @@ Measured, each side alone on the machine (the other server is stopped):
                 shared with an earlier request vs the same request cold
   n-gram spec.  (modeld) single-stream decode tok/s on a copy-heavy prompt, with
                 and without n-gram speculation, and whether outputs match
+  warm          (modeld) 8 streams on a daemon that first served 6 unrelated
+                single requests, beside a fresh daemon, in interleaved rounds
+                (issue 14: a daemon that had served traffic ran 0.7x as fast)
 Generation is forced to max_tokens: modeld with ignore_eos, the peer with a
 logit bias against end-of-sequence. Writes bench/results/llamacpp.json and
-a PNG chart.
+a PNG chart. `--warm-only [--rounds N]` runs the warm section alone and
+updates that section of the JSON, keeping the others.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -45,6 +50,10 @@ CODE = "\n".join(f"def handler_{i}(request):\n    value = request.get('field_{i}
                  for i in range(6))
 COPY_PROMPT = ("Rewrite the following code exactly, but rename ok_response to success_response:\n\n"
                f"{CODE}\nRewritten code:\n")
+UNRELATED = [  # issue 14's earlier traffic: single greedy requests, 32 tokens, prompts unlike PROMPTS
+    "Tell me a joke about cats.", "What is the capital of Peru?", "Name three primary colours.",
+    "How do airplanes fly?", "Translate 'good morning' into French.", "Write a haiku about rain.",
+]
 PREFIX = " ".join(f"Rule {i}: every answer must be polite, short and correct." for i in range(110))
 
 
@@ -101,10 +110,17 @@ class Peer:
 # -- modeld over gRPC ----------------------------------------------------------------
 
 class Modeld:
-    def __init__(self) -> None:
+    def __init__(self, *args: str) -> None:
         from daemon import start_daemon
 
-        self.daemon = start_daemon("--metrics-port", "-1", repository=ROOT / "models")
+        self.daemon = start_daemon("--metrics-port", "-1", *args, repository=ROOT / "models")
+
+    def load(self, model: str = "smollm2") -> None:
+        import tritonclient.grpc as tc
+
+        client = tc.InferenceServerClient(self.daemon.address)
+        client.load_model(model)
+        client.close()
 
     async def stream(self, prompt: str, max_tokens: int, **sampling) -> dict:
         import grpc
@@ -198,6 +214,52 @@ async def bench_modeld() -> dict:
     return result
 
 
+async def eight_streams(node: Modeld) -> dict:
+    start = time.perf_counter()
+    many = await asyncio.gather(*(node.stream(p, NEW_TOKENS) for p in PROMPTS))
+    wall = time.perf_counter() - start
+    return {"tok_s": sum(r["tokens"] for r in many) / wall, "median_ttft_s": statistics.median(r["ttft"] for r in many)}
+
+
+async def bench_warm(rounds: int) -> dict:
+    """Issue 14: the same 8 streams on a fresh daemon and on one that first
+    served 6 unrelated single requests (prefixes cached, as by default).
+    Each round starts both daemons (smollm2 only), then runs the two in
+    alternating order; only the measured daemon works meanwhile."""
+    runs = []
+    for r in range(rounds):
+        fresh, warm = Modeld("--no-preload"), Modeld("--no-preload")
+        try:
+            fresh.load()
+            warm.load()
+            for prompt in UNRELATED:
+                await warm.stream(prompt, 32)
+            order = [("fresh", fresh), ("warm", warm)]
+            if r % 2:
+                order.reverse()
+            got = {name: await eight_streams(node) for name, node in order}
+            # the issue's "again on the next try": the same daemon, a second burst
+            got["warm_again"] = await eight_streams(warm)
+        finally:
+            fresh.stop()
+            warm.stop()
+        got["first"] = order[0][0]
+        runs.append(got)
+        print(f"round {r}: fresh {got['fresh']['tok_s']:.1f} tok/s, after 6 unrelated requests "
+              f"{got['warm']['tok_s']:.1f} (again {got['warm_again']['tok_s']:.1f}); {got['first']} ran first")
+    ratios = [g["warm"]["tok_s"] / g["fresh"]["tok_s"] for g in runs]
+    return {
+        "command": f"python bench/bench_llamacpp.py --warm-only --rounds {rounds}",
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "streams": len(PROMPTS), "new_tokens": NEW_TOKENS, "unrelated_requests": len(UNRELATED),
+        "rounds": runs,
+        "fresh_median_tok_s": statistics.median(g["fresh"]["tok_s"] for g in runs),
+        "warm_median_tok_s": statistics.median(g["warm"]["tok_s"] for g in runs),
+        "warm_over_fresh_median": statistics.median(ratios),
+        "warm_over_fresh_rounds": ratios,
+    }
+
+
 def chart(record: dict, path: Path) -> None:
     import matplotlib
 
@@ -217,6 +279,18 @@ def chart(record: dict, path: Path) -> None:
 
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--warm-only", action="store_true", help="only the fresh-vs-warm section; keep the rest")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the warm section")
+    args = parser.parse_args()
+    if args.warm_only:
+        path = RESULTS / "llamacpp.json"
+        record = json.loads(path.read_text()) if path.exists() else {}
+        record["warm"] = asyncio.run(bench_warm(args.rounds))
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2))
+        print_warm(record["warm"])
+        return
     peer = bench_peer()
     mine = asyncio.run(bench_modeld())
     ratios = {
@@ -231,9 +305,10 @@ def main() -> None:
              "concurrent_throughput": ratios["concurrent_throughput"] >= 3.0,
              "concurrent_ttft": ratios["concurrent_ttft"] <= 0.1, "prefix_ttft": ratios["prefix_ttft"] <= 0.25,
              "ngram_speedup": ratios["ngram_speedup"] >= 1.5 and mine["ngram"]["identical"]}
+    warm = asyncio.run(bench_warm(args.rounds))
     record = {"command": "make bench (bench/bench_llamacpp.py)", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "cpu_count": os.cpu_count(), "new_tokens": NEW_TOKENS, "peer": peer, "modeld": mine,
-              "ratios": ratios, "goals_met": goals}
+              "ratios": ratios, "goals_met": goals, "warm": warm}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "llamacpp.json").write_text(json.dumps(record, indent=2))
     chart(record, RESULTS / "llamacpp.png")
@@ -247,6 +322,13 @@ def main() -> None:
           f"{mine['ngram']['identical']}, accepted {mine['ngram']['accepted']}/{mine['ngram']['drafted']}; draft model: "
           f"{mine['draft']['tok_s']:.1f} tok/s, acceptance {mine['draft']['acceptance']:.2f}, identical={mine['draft']['identical']}")
     print("ratios: " + ", ".join(f"{k} {v:.2f}x ({'met' if goals[k] else 'missed'})" for k, v in ratios.items()))
+    print_warm(warm)
+
+
+def print_warm(warm: dict) -> None:
+    print(f"modeld 8 streams fresh {warm['fresh_median_tok_s']:.1f} tok/s, after {warm['unrelated_requests']} unrelated "
+          f"requests {warm['warm_median_tok_s']:.1f} tok/s: median ratio {warm['warm_over_fresh_median']:.2f}x "
+          f"(rounds {', '.join(f'{r:.2f}' for r in warm['warm_over_fresh_rounds'])})")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,11 @@ class SchedulerConfig:
     context_length: int  # most tokens one sequence may hold
     max_step_tokens: int = 512
     max_waiting: int = 256
+    # llama.cpp copies a slot's KV stream whole (n_ctx / n_slots cells) to
+    # share a prefix between slots. Measured here (2 cores, SmolLM2-135M,
+    # 2,048-cell streams): a copy costs about what prefilling a few prompt
+    # tokens does, so shorter shared prefixes are recomputed instead.
+    min_copy_tokens: int = 16
 
 
 def _queue_key(seq: Sequence) -> tuple[int, int]:
@@ -159,7 +164,7 @@ class Scheduler(BaseScheduler):
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
-        self.slots = SlotPool(config.num_slots)
+        self.slots = SlotPool(config.num_slots, config.min_copy_tokens)
         self._pending_ops: list[KvOp] = []
 
     @property

@@ -5,6 +5,15 @@ sequence's KV kept for reuse, in LRU order). Admission looks for the slot
 whose tokens share the longest prefix with the new prompt: a cached slot is
 taken over in place; an active one is copied. Pure bookkeeping; the KV
 operations it decides are returned as plain data for the executor.
+
+Where a sequence goes matters as much as what it reuses. With one KV stream
+per slot, llama.cpp runs a step as one forward pass per run of consecutive
+slot ids: active slots {0..7} decode in one pass, {6, 7} + {0..5} in two,
+{0, 2, 4, 6} in four, each pass reading every weight again. So a new
+sequence is placed where it extends the block of active slots, preferring
+a free slot to evicting a cached prefix, and a cached prefix in a slot that
+would split the block is copied next to it (when it saves enough prompt
+tokens to pay for a stream copy) or recomputed there.
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from typing import Iterable, Protocol
 
 
 class SlotUser(Protocol):
@@ -49,8 +58,18 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def slot_runs(slots: Iterable[int]) -> int:
+    """Runs of consecutive ids in a set of slots: llama.cpp's forward passes
+    for a step over them (batch sorted by slot, within n_batch tokens)."""
+    present = set(slots)
+    return sum(1 for s in present if s - 1 not in present)
+
+
 class SlotPool:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, min_copy: int = 1) -> None:
+        # llama.cpp copies a KV stream whole, whatever the prefix length; a
+        # copy that saves fewer prompt tokens than this is not worth it
+        self.min_copy = min_copy
         self.free: list[int] = list(range(num_slots - 1, -1, -1))
         self.cached: OrderedDict[int, list[int]] = OrderedDict()  # LRU first
         self.active: dict[int, SlotUser] = {}  # slot -> the running sequence in it
@@ -59,39 +78,69 @@ class SlotPool:
     def num_cached_cells(self) -> int:
         return sum(len(t) for t in self.cached.values())
 
+    @property
+    def num_runs(self) -> int:
+        """Forward passes a step over every active slot costs."""
+        return slot_runs(self.active)
+
     def can_grant(self) -> bool:
         return bool(self.free or self.cached)
 
     def grant(self, prompt: list[int], user: SlotUser, use_cache: bool) -> SlotGrant:
-        """A slot for a new sequence, reusing the longest cached prefix."""
-        best_slot, best_len, best_cached = -1, 0, False
-        if use_cache:
-            # at least one prompt token must be fed to get logits
-            limit = len(prompt) - 1
-            for slot, cached_tokens in self.cached.items():
-                n = min(common_prefix(cached_tokens, prompt), limit)
-                if n > best_len:
-                    best_slot, best_len, best_cached = slot, n, True
-            for slot, other in self.active.items():
-                # only tokens whose KV is already computed can be shared
-                n = min(common_prefix(other.token_ids[:other.num_computed], prompt), limit)
-                if n > best_len:
-                    best_slot, best_len, best_cached = slot, n, False
-        if best_cached:
-            del self.cached[best_slot]
-            self.active[best_slot] = user
-            return SlotGrant(best_slot, best_len, (KvOp(KvOpKind.TRIM, best_slot, pos=best_len),))
-        slot, ops = self._take_empty()
+        """A slot for a new sequence (only when can_grant()): one that keeps
+        the active slots in as few runs as possible, reusing the longest
+        prefix it can get there."""
+        reusable = self._reusable(prompt) if use_cache else {}
+        fewest = min(self._splits(s) for s in (*self.free, *self.cached))
+        # a cached prefix in a slot that does not split the block is taken over in place
+        in_place = max(((n, -rank, slot) for rank, slot in enumerate(self.cached)
+                        if (n := reusable.get(slot, 0)) and self._splits(slot) == fewest), default=None)
+        src, longest = max(reusable.items(), key=lambda item: item[1], default=(-1, 0))
+        kept = in_place[0] if in_place else 0
+        if in_place and longest - kept < self.min_copy:
+            slot = in_place[2]
+            del self.cached[slot]
+            self.active[slot] = user
+            return SlotGrant(slot, kept, (KvOp(KvOpKind.TRIM, slot, pos=kept),))
+        copy = longest >= self.min_copy
+        slot = self._placement(keep=src if copy else None)
+        ops = self._take(slot)
         self.active[slot] = user
-        if best_len:
-            ops += (KvOp(KvOpKind.COPY, slot, pos=best_len, src=best_slot),)
-        return SlotGrant(slot, best_len, ops)
+        if not copy:
+            return SlotGrant(slot, 0, ops)
+        # the source stays as it was (cached or running); the copy is cut to the prefix
+        return SlotGrant(slot, longest, (*ops, KvOp(KvOpKind.COPY, slot, pos=longest, src=src)))
 
-    def _take_empty(self) -> tuple[int, tuple[KvOp, ...]]:
-        if self.free:
-            return self.free.pop(), ()
-        slot, _ = self.cached.popitem(last=False)
-        return slot, (KvOp(KvOpKind.CLEAR, slot),)
+    def _reusable(self, prompt: list[int]) -> dict[int, int]:
+        """Prompt tokens each slot could supply, for slots with any."""
+        limit = len(prompt) - 1  # at least one prompt token must be fed to get logits
+        found = {}
+        for slot, tokens in self.cached.items():
+            found[slot] = min(common_prefix(tokens, prompt), limit)
+        for slot, other in self.active.items():
+            # only tokens whose KV is already computed can be shared
+            found[slot] = min(common_prefix(other.token_ids[:other.num_computed], prompt), limit)
+        return {slot: n for slot, n in found.items() if n > 0}
+
+    def _splits(self, slot: int) -> int:
+        """How many more runs the active slots would form with `slot` among them."""
+        return 1 - (slot - 1 in self.active) - (slot + 1 in self.active)
+
+    def _placement(self, keep: int | None) -> int:
+        """The empty slot a new sequence should take: the one that adds the
+        fewest runs; then a free one before a cached one (no prefix lost);
+        then the least recently used cached one. `keep`: a cached slot not to
+        evict (the prefix about to be copied)."""
+        lru = {slot: rank for rank, slot in enumerate(self.cached)}
+        candidates = [*self.free, *(s for s in self.cached if s != keep)]
+        return min(candidates, key=lambda s: (self._splits(s), s in lru, lru.get(s, 0), s))
+
+    def _take(self, slot: int) -> tuple[KvOp, ...]:
+        if slot in self.cached:
+            del self.cached[slot]
+            return (KvOp(KvOpKind.CLEAR, slot),)
+        self.free.remove(slot)
+        return ()
 
     def release(self, slot: int, num_valid: int, keep: bool) -> tuple[KvOp, ...]:
         """A sequence ended; keep its first num_valid tokens' KV for reuse or drop it."""

@@ -151,7 +151,19 @@ class LlamaContext:
                 llama.llama_memory_seq_rm(self.memory, op.slot, op.pos, -1)
 
     def decode(self, items: list[tuple[int, int, int, bool]]) -> np.ndarray:
-        """items: (token, position, slot, wants_logits) -> [num_logits, vocab]."""
+        """items: (token, position, slot, wants_logits) -> [num_logits, vocab], in items' order."""
+        # With a KV stream per slot, llama.cpp splits a batch into one
+        # forward pass per run of consecutive seq ids in batch order: slots
+        # fed as 6, 7, 0..5 ran as two passes, each reading every weight.
+        # Fed in slot order, each run of consecutive slots is one pass.
+        order = sorted(range(len(items)), key=lambda i: items[i][2])  # stable: a slot's positions stay in order
+        if any(i != j for j, i in enumerate(order)):
+            wanted = [i for i in order if items[i][3]]
+            logits = self._decode([items[i] for i in order])
+            return logits[np.argsort(wanted, kind="stable")] if len(wanted) > 1 else logits
+        return self._decode(items)
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> np.ndarray:
         llama = _llama()
         outputs = []
         for start in range(0, len(items), self.n_batch):

@@ -95,6 +95,31 @@ def test_concurrent_streams_give_the_tokens_each_gives_alone(daemon):
         assert tokens == alone[prompt], prompt
 
 
+def test_after_unrelated_requests_concurrent_streams_match_a_cold_run(daemon):
+    """Issue 14: prefixes left cached by finished requests move where new
+    streams go and in which order llama.cpp is fed; the tokens must not move."""
+    unrelated = ["Tell me a joke about cats.", "What is the capital of Peru?", "Name three primary colours.",
+                 "How do airplanes fly?", "Translate 'good morning' into French.", "Write a haiku about rain."]
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = gg.GenerationStub(channel)
+        cold = {p: _generate(stub, p, max_tokens=16, cache_prompt=False, ignore_eos=True)[0] for p in PROMPTS}
+        for prompt in unrelated:  # one at a time; each leaves its prefix cached in a slot
+            _generate(stub, prompt, max_tokens=8)
+
+    async def run_all():
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = gg.GenerationStub(channel)
+
+            async def one(prompt):
+                request = g.GenerateRequest(model="smollm2", prompt=prompt, sampling=_params(max_tokens=16, ignore_eos=True))
+                return [t async for r in stub.Generate(request, timeout=120) for t in r.token_ids]
+
+            return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+    for prompt, tokens in zip(PROMPTS, asyncio.run(run_all())):
+        assert tokens == cold[prompt], prompt
+
+
 def test_prefix_reuse_matches_a_cold_run_and_reports_cached_tokens(stub):
     shared = "You are a careful assistant. " * 20
     cold, _, cold_final = _generate(stub, shared + "Tell me about rivers.", cache_prompt=False)
