@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-MODELS := models/minilm/model.onnx models/softcap_demo/model.onnx models/smollm2/model.gguf models/smollm2-draft/model.gguf models/smollm2-torch/model.gguf
+MODELS := models/minilm/model.onnx models/softcap_demo/model.onnx models/smollm2/model.gguf models/smollm2-draft/model.gguf models/smollm2-torch/model.gguf models/smollm2-onnx/fp32/model.onnx
 NODE_STAMP := clients/node/node_modules/.installed-stamp
 PYTEST_ARGS ?=
 

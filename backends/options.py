@@ -180,6 +180,17 @@ class TorchOptions(_Options):
     draft_path: str = _internal_path()  # the engine resolves draft_model to it
 
 
+@dataclass(frozen=True)
+class OnnxGenaiOptions(_Options):
+    """`[onnx_genai]`: onnxruntime-genai's engine (backend onnx-genai)."""
+
+    section = "onnx_genai"
+    max_running: int = _int(8, minimum=1)  # sequences generating at once, over og batches of at most 4
+    context_length: int = _int(2048, minimum=1)  # prompt + max_tokens per request; sizes the KV reserve
+    max_waiting: int = _int(256, minimum=1)  # 0 would refuse every request
+    threads: int = _int(0, minimum=0)  # 0: onnxruntime's choice, one per core
+
+
 REMOTE_ENGINES = ("openai", "vllm", "sglang", "tgi")
 
 
@@ -207,7 +218,8 @@ class RemoteOptions(_Options):
 
 
 OPTIONS_BY_BACKEND: dict[str, type[_Options]] = {
-    cls.section: cls for cls in (OnnxOptions, ReferenceOptions, LlamaCppOptions, TorchOptions, RemoteOptions)
+    cls.section: cls for cls in (OnnxOptions, ReferenceOptions, LlamaCppOptions, TorchOptions, RemoteOptions,
+                             OnnxGenaiOptions)
 }
 
 
@@ -221,6 +233,7 @@ class BackendOptions:
     llamacpp: LlamaCppOptions = LlamaCppOptions()
     torch: TorchOptions = TorchOptions()
     remote: RemoteOptions = RemoteOptions()
+    onnx_genai: OnnxGenaiOptions = OnnxGenaiOptions()
 
 
 def parse_options(model: str, section: str, raw: dict[str, Any]) -> _Options:

@@ -20,6 +20,7 @@ BACKENDS: dict[str, str] = {
     "iree": "modeld.backends.iree.backend:IreeBackend",  # ONNX compiled ahead of time (OpenXLA)
     "llamacpp": "modeld.backends.llamacpp.backend:LlamaCppBackend",
     "torch": "modeld.backends.torch.backend:TorchBackend",
+    "onnx-genai": "modeld.backends.onnx_genai.backend:OnnxGenaiBackend",
     "coreml": "modeld.backends.coreml.backend:CoreMLBackend",  # macOS only; registered everywhere
     # remote engines (format = "remote" models): one module per wire protocol
     "openai": "modeld.backends.remote.openai:OpenAIBackend",

@@ -6,14 +6,18 @@ wheel, and `smollm2-draft`, its Q4_0 requantization used as a draft model.
 ONNX with mean pooling and L2 normalisation inside the graph, plus its
 tokenizer. `softcap_demo`: a small graph using modeld's own `ai.modeld`
 operator, which onnxruntime refuses, so it shows the fallback to the
-reference backend. Nothing is downloaded; existing artifacts are kept.
+reference backend. `smollm2-onnx`: the same SmolLM2 weights built for
+onnxruntime-genai by its own model builder. Nothing is downloaded; existing
+artifacts are kept.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import shutil
+import subprocess
 import sys
+import tomllib
 import time
 from pathlib import Path
 
@@ -143,12 +147,98 @@ def prepare_smollm2_draft(model_dir: Path, source: Path) -> None:
     say(f"smollm2-draft: wrote {target} ({target.stat().st_size / 2**20:.1f} MiB, Q4_0)")
 
 
+# onnxruntime-genai's builder reads Hugging Face checkpoints (or fp16/fp32
+# GGUFs only), so the Q4_1 GGUF is first dequantized to fp32 with transformers
+# into <model>/.build/, removed once the build is done. One folder per
+# precision; model.toml's artifact names the one served and built:
+#   fp32  the default: exactly the weights the torch backend holds (540 MB);
+#         greedy output is token for token torch's, and agrees with llama.cpp
+#         as torch does (228 of 320 leading tokens over 20 prompts).
+#   int4  MatMulNBits 4-bit blocks (86 MB), about 4x faster decoding here,
+#         but it quantizes weights already quantized once (Q4_1): greedy
+#         output leaves the other backends' at the first token or two on most
+#         prompts (27 of 320; k_quant and mixed int8 layers: at most 51; the
+#         asymmetric blocks Q4_1 itself uses build a model og 0.18 cannot load).
+#         Built when model.toml names int4/model.onnx and `modeld prepare` runs.
+ONNX_GENAI_BUILDS = {"fp32": ("-p", "fp32"), "int4": ("-p", "int4")}
+ONNX_GENAI_DEFAULT = "fp32"
+
+
+def prepare_smollm2_onnx(model_dir: Path, gguf: Path) -> None:
+    precision = _onnx_genai_precision(model_dir / "model.toml")
+    out = model_dir / precision
+    if (out / "genai_config.json").is_file() and (out / "model.onnx").is_file():
+        return
+    work = model_dir / ".build"
+    shutil.rmtree(work, ignore_errors=True)
+    started = time.monotonic()
+    try:
+        say(f"smollm2-onnx: dequantizing {gguf.name} for onnxruntime-genai's model builder (loads torch)")
+        hf = dequantize_gguf(gguf, work / "hf")
+        say(f"smollm2-onnx: building {precision} with onnxruntime-genai's model builder (a minute or two)")
+        run_onnx_genai_builder(hf, work / precision, precision, work)
+        shutil.rmtree(out, ignore_errors=True)
+        (work / precision).replace(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    say(f"smollm2-onnx: wrote {out} ({size / 2**20:.0f} MiB, {precision}) in {time.monotonic() - started:.0f}s")
+
+
+def _onnx_genai_precision(toml: Path) -> str:
+    artifact = tomllib.loads(toml.read_text(encoding="utf-8")).get("artifact", "") if toml.is_file() else ""
+    folder = Path(artifact).parts[0] if len(Path(artifact).parts) == 2 else ONNX_GENAI_DEFAULT
+    if folder not in ONNX_GENAI_BUILDS:
+        raise ValueError(f"{toml}: artifact {artifact!r} names no precision modeld builds; "
+                         f"use {' or '.join(f'{p}/model.onnx' for p in ONNX_GENAI_BUILDS)}")
+    return folder
+
+
+def dequantize_gguf(gguf: Path, out: Path) -> Path:
+    """A Hugging Face fp32 checkpoint (safetensors + tokenizer) of a GGUF."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # one line per tensor otherwise
+    folder, name = str(gguf.parent), gguf.name
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32)
+    # transformers will not save a model it loaded from a GGUF; a plain model
+    # of the same config, given the same tensors, saves normally
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]  # tied
+    if missing or unexpected:
+        raise RuntimeError(f"dequantized weights do not fit the model: missing {missing}, unexpected {unexpected}")
+    out.mkdir(parents=True, exist_ok=True)
+    plain.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+    return out
+
+
+def run_onnx_genai_builder(hf: Path, out: Path, precision: str, work: Path) -> None:
+    """In a child process: the builder holds the fp32 model and logs every
+    matrix it quantizes; its log is shown only when it fails."""
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out),
+           "-e", "cpu", "-c", str(work / "cache"), *ONNX_GENAI_BUILDS[precision]]
+    log = work / "builder.log"
+    with log.open("w") as sink:
+        code = subprocess.call(cmd, stdout=sink, stderr=subprocess.STDOUT)
+    if code != 0 or not (out / "genai_config.json").is_file():
+        raise RuntimeError(f"onnxruntime-genai's model builder failed (exit {code}):\n"
+                           + log.read_text(errors="replace")[-2000:])
+
+
 def prepare_repository(root: Path) -> None:
     say(f"preparing embedded models in {root}")
     prepare_minilm(root / "minilm")
     prepare_smollm2(root / "smollm2")
     prepare_smollm2(root / "smollm2-torch")
     prepare_smollm2_draft(root / "smollm2-draft", root / "smollm2" / "model.gguf")
+    prepare_smollm2_onnx(root / "smollm2-onnx", package_file(SMOLLM2_PACKAGE, ".gguf"))
     demo = root / "softcap_demo" / "model.onnx"
     if not demo.is_file():
         build_softcap_demo(demo)

@@ -65,7 +65,7 @@ def real_registry() -> BackendRegistry:
 
 def test_default_registry_has_onnx_and_reference(real_registry):
     assert [e.name for e in real_registry.entries()] == [
-        "onnx", "reference", "iree", "llamacpp", "torch", "coreml", "openai", "vllm", "sglang", "tgi"]
+        "onnx", "reference", "iree", "llamacpp", "torch", "onnx-genai", "coreml", "openai", "vllm", "sglang", "tgi"]
     unavailable = {e.name: e.availability.reason for e in real_registry.entries() if not e.availability.ok}
     # Core ML is registered everywhere and says why it cannot run off macOS
     assert unavailable == {"coreml": "Core ML runs only on macOS"}
@@ -74,7 +74,7 @@ def test_default_registry_has_onnx_and_reference(real_registry):
 def test_available_is_sorted_by_priority_onnx_first(real_registry):
     names = [b.name for b in real_registry.available()]
     # remote engines first: they serve only format = "remote" models, whose local file is the fallback
-    assert names == ["vllm", "sglang", "tgi", "openai", "onnx", "iree", "llamacpp", "torch", "reference"]
+    assert names == ["vllm", "sglang", "tgi", "openai", "onnx", "iree", "llamacpp", "torch", "onnx-genai", "reference"]
     priorities = [b.priority for b in real_registry.available()]
     assert priorities == sorted(priorities, reverse=True)
 
@@ -87,7 +87,7 @@ def test_available_sorts_even_when_registered_in_reverse():
 
 def test_candidates_without_preference_follow_priority(real_registry):
     assert [b.name for b in real_registry.candidates(())] == [
-        "vllm", "sglang", "tgi", "openai", "onnx", "iree", "llamacpp", "torch", "reference"]
+        "vllm", "sglang", "tgi", "openai", "onnx", "iree", "llamacpp", "torch", "onnx-genai", "reference"]
 
 
 def test_candidates_honour_the_models_preference_order(real_registry):
@@ -106,19 +106,19 @@ def test_unknown_backend_lists_known_backends(real_registry):
     with pytest.raises(InvalidArgument) as info:
         real_registry.get("tensorrt")
     assert "unknown backend 'tensorrt'" in str(info.value)
-    assert "known backends: coreml, iree, llamacpp, onnx, openai, reference, sglang, tgi, torch, vllm" in str(info.value)
+    assert "known backends: coreml, iree, llamacpp, onnx, onnx-genai, openai, reference, sglang, tgi, torch, vllm" in str(info.value)
 
 
 def test_unknown_preferred_backend_lists_known_backends(real_registry):
     with pytest.raises(InvalidArgument) as info:
         real_registry.candidates(("onnx", "tensorrt"))
     assert "unknown backend 'tensorrt'" in str(info.value)
-    assert "known backends: coreml, iree, llamacpp, onnx, openai, reference, sglang, tgi, torch, vllm" in str(info.value)
+    assert "known backends: coreml, iree, llamacpp, onnx, onnx-genai, openai, reference, sglang, tgi, torch, vllm" in str(info.value)
 
 
 def test_unknown_name_at_construction_is_refused():
-    with pytest.raises(InvalidArgument, match="unknown backend 'nope'.*known backends: coreml, iree, llamacpp, onnx, openai, "
-                                              "reference, sglang, tgi, torch, vllm"):
+    with pytest.raises(InvalidArgument, match="unknown backend 'nope'.*known backends: coreml, iree, llamacpp, onnx, onnx-genai, "
+                                              "openai, reference, sglang, tgi, torch, vllm"):
         BackendRegistry(["onnx", "nope"])
 
 
@@ -157,7 +157,7 @@ def test_known_backend_list_follows_the_backends_table(fake_backends):
     registry = BackendRegistry(["reference"])
     with pytest.raises(InvalidArgument) as info:
         registry.get("nope")
-    assert ("known backends: broken, coreml, fakegpu, iree, llamacpp, middle, onnx, openai, reference, "
+    assert ("known backends: broken, coreml, fakegpu, iree, llamacpp, middle, onnx, onnx-genai, openai, reference, "
             "sglang, tgi, top, torch, vllm") in str(info.value)
 
 
