@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: all venv models serve test test-all test-remote vllm-env bench proto node clean
+.PHONY: all venv models serve test test-all test-remote vllm-env llama-peer bench proto node clean
 
 all: test
 
@@ -54,6 +54,11 @@ HF_SMOLLM2 := var/hf/smollm2/.modeld-complete
 vllm-env:
 	bash bench/peers/vllm_env.sh
 
+# llama.cpp's own llama-server and llama-batched-bench, the llamacpp backend's
+# peers, built from the llama-cpp-python sdist our venv runs (about 15 min, once)
+llama-peer: $(STAMP)
+	bash bench/peers/llama_server.sh
+
 $(HF_SMOLLM2): | $(STAMP)
 	$(BIN)/python bench/peers/hf_weights.py --out var/hf/smollm2
 
@@ -63,9 +68,12 @@ test-remote: models vllm-env $(HF_SMOLLM2)
 test-all: models node vllm-env $(HF_SMOLLM2)
 	$(BIN)/pytest -m '' $(PYTEST_ARGS)
 
-bench: models vllm-env $(HF_SMOLLM2)
+bench: models vllm-env llama-peer $(HF_SMOLLM2)
 	$(BIN)/python bench/bench_minilm.py
 	$(BIN)/python bench/bench_llamacpp.py
+	$(BIN)/python bench/bench_llama_server.py
+	$(BIN)/python bench/bench_backends.py
+	$(BIN)/python bench/bench_onnx_genai.py
 	$(BIN)/python bench/bench_torch.py
 	$(BIN)/python bench/bench_http.py
 	$(BIN)/python bench/bench_gateway.py

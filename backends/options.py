@@ -156,6 +156,10 @@ class LlamaCppOptions(_Options):
     max_waiting: int = _int(256, minimum=1)  # 0 would refuse every request
     draft_model: str = _model_name()
     draft_path: str = _internal_path()  # the engine resolves draft_model to it
+    # the batching strategy (scheduler.Admission): continuous joins running batches
+    admission: str = _one_of("continuous", "continuous", "dynamic", "static")
+    admission_batch: int = _int(8, minimum=1)  # dynamic/static: sequences per batch
+    admission_window_ms: float = _number(50.0, above=0)  # dynamic/static: longest a batch waits to fill
 
     def _check(self) -> None:
         # each slot gets n_ctx // n_slots cells; zero would leave no room for a token
@@ -178,6 +182,9 @@ class TorchOptions(_Options):
     compile: bool = _one_of(True, True, False)
     draft_model: str = _model_name()
     draft_path: str = _internal_path()  # the engine resolves draft_model to it
+    admission: str = _one_of("continuous", "continuous", "dynamic", "static")  # as [llamacpp]
+    admission_batch: int = _int(8, minimum=1)
+    admission_window_ms: float = _number(50.0, above=0)
 
 
 @dataclass(frozen=True)

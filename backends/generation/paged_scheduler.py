@@ -17,7 +17,7 @@ from typing import Mapping
 
 from modeld.backends.generation.block_manager import BlockManager
 from modeld.backends.generation.interface import PagedWork, StepPlan
-from modeld.backends.generation.scheduler import BaseScheduler
+from modeld.backends.generation.scheduler import Admission, BaseScheduler
 from modeld.backends.generation.sequence import Sequence, SeqStatus
 
 
@@ -29,6 +29,7 @@ class PagedConfig:
     max_running: int = 16
     max_step_tokens: int = 512
     max_waiting: int = 256
+    admission: Admission | None = None  # None: continuous
 
     @property
     def kv_capacity(self) -> int:
@@ -72,7 +73,9 @@ class PagedScheduler(BaseScheduler):
             if item is not None:
                 work[seq.seq_id] = item
                 budget -= len(item.token_ids)
-        while budget > 0 and len(self.running) < self.config.max_running:
+        quota = self._admission_quota()
+        while quota > 0 and budget > 0 and len(self.running) < self.config.max_running:
+            quota -= 1
             seq = self._next_waiting()
             item = None if seq is None else self._admit(seq, budget)
             if item is None:

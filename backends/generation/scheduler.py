@@ -16,6 +16,7 @@ llama.cpp's slots, PagedScheduler (paged_scheduler.py) in blocks.
 from __future__ import annotations
 
 import bisect
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Mapping
@@ -39,6 +40,34 @@ class SchedulerConfig:
     # 2,048-cell streams): a copy costs about what prefilling a few prompt
     # tokens does, so shorter shared prefixes are recomputed instead.
     min_copy_tokens: int = 16
+    admission: Admission | None = None  # None: continuous
+
+
+@dataclass(frozen=True)
+class Admission:
+    """When waiting sequences may start (the batching strategy).
+
+    continuous: at any step, joining the sequences already running.
+    dynamic / static: a batch runs to completion before the next one forms;
+    it starts once `batch` sequences wait or the oldest has waited
+    `window_s`, and takes at most `batch`. Static batching is the same rule
+    with a window long enough that, under load, only a full batch starts
+    one; a lone request still starts when the window ends rather than never.
+    """
+
+    policy: str = "continuous"
+    batch: int = 8
+    window_s: float = 0.05
+
+    POLICIES = ("continuous", "dynamic", "static")
+
+
+CONTINUOUS = Admission()
+
+
+def admission_from(options) -> Admission:
+    """The Admission a backend's options ([llamacpp] / [torch]) ask for."""
+    return Admission(options.admission, options.admission_batch, options.admission_window_ms / 1000)
 
 
 def _queue_key(seq: Sequence) -> tuple[int, int]:
@@ -89,6 +118,21 @@ class BaseScheduler(ABC):
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         bisect.insort(self.waiting, seq, key=_queue_key)
+
+    def _admission_quota(self) -> int:
+        """How many waiting sequences this step may start."""
+        admission = getattr(self.config, "admission", None) or CONTINUOUS
+        if admission.policy == "continuous":
+            return len(self.waiting)
+        if self.running:
+            return 0  # the running batch finishes first
+        live = [s for s in self.waiting if not s.is_cancelled]
+        if not live:
+            return 0
+        oldest = min(s.arrival_time for s in live)
+        if len(live) >= admission.batch or time.monotonic() - oldest >= admission.window_s:
+            return admission.batch
+        return 0
 
     def _next_waiting(self) -> Sequence | None:
         """The next sequence to admit; cancelled ones wait for update() to drop them."""
@@ -198,9 +242,11 @@ class Scheduler(BaseScheduler):
                 break
             work.append(self._chunk(seq, budget))
             budget -= len(work[-1].token_ids)
-        while budget > 0 and (seq := self._next_waiting()) is not None and self._admit(seq):
+        quota = self._admission_quota()
+        while quota > 0 and budget > 0 and (seq := self._next_waiting()) is not None and self._admit(seq):
             work.append(self._chunk(seq, budget))
             budget -= len(work[-1].token_ids)
+            quota -= 1
         ops, self._pending_ops = tuple(self._pending_ops), []
         return StepPlan(ops, tuple(work))
 

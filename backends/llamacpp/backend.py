@@ -12,7 +12,7 @@ from modeld.backends.generation.executor import StepExecutor
 from modeld.backends.generation.interface import SlotWork, StepPlan
 from modeld.backends.generation.loop import GenerationLoop, GenerationObserver
 from modeld.backends.generation.params import ChatMessage
-from modeld.backends.generation.scheduler import Scheduler, SchedulerConfig
+from modeld.backends.generation.scheduler import Scheduler, SchedulerConfig, admission_from
 from modeld.backends.model_config import ModelConfig, ModelFormat, TensorSpec
 from modeld.backends.options import LlamaCppOptions
 from modeld.backends.tensor_model import process_rss
@@ -87,7 +87,7 @@ class LlamaGenerativeModel(GenerativeModel):
         context_length = min(options.context_length, self.llama_model.n_ctx_train, n_ctx // n_slots)
         self.scheduler = Scheduler(SchedulerConfig(
             num_slots=n_slots, kv_capacity=n_ctx, context_length=context_length,
-            max_step_tokens=step, max_waiting=options.max_waiting,
+            max_step_tokens=step, max_waiting=options.max_waiting, admission=admission_from(options),
         ))
         self.runner = LlamaExecutor(self.llama_model, self.context)
         self.draft = self._load_draft(options, n_ctx, n_slots, step, threads)

@@ -22,6 +22,7 @@ from modeld.backends.generation.executor import StepExecutor
 from modeld.backends.generation.interface import PagedWork, StepPlan
 from modeld.backends.generation.loop import GenerationLoop
 from modeld.backends.generation.paged_scheduler import PagedConfig, PagedScheduler
+from modeld.backends.generation.scheduler import admission_from
 from modeld.backends.generation.params import ChatMessage
 from modeld.backends.model_config import ModelConfig, ModelFormat, TensorSpec
 
@@ -226,7 +227,7 @@ class TorchGenerativeModel(GenerativeModel):
             num_blocks=options.num_blocks, block_size=block_size,
             context_length=min(context_length, args.max_seq_len),
             max_running=options.max_running, max_step_tokens=options.max_step_tokens,
-            max_waiting=options.max_waiting,
+            max_waiting=options.max_waiting, admission=admission_from(options),
         ))
         self.runner = TorchExecutor(self.model, self.tokenizer, self.scheduler.config.num_blocks, block_size, device)
         if options.compile:

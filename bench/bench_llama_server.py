@@ -1,0 +1,268 @@
+"""Issue 14: modeld's llamacpp backend against llama.cpp's own C++ server,
+fresh and after warm traffic, with llama-batched-bench's decode as the
+ceiling of this hardware. Same GGUF (SmolLM2-135M-Instruct Q4_1), same
+llama.cpp (both built from the llama-cpp-python version our venv runs:
+bench/peers/llama_server.sh), same threads, 8 slots of 2,048 cells each,
+greedy, generation forced to NEW_TOKENS on both sides (ignore_eos).
+
+Each round starts a fresh modeld and a fresh llama-server (both up, only
+one working at a time) and runs, per side, in an order that alternates
+between rounds:
+  fresh   1 stream x 3 prompts (decode tok/s, time to first token), then
+          8 streams (aggregate tok/s, median time to first token)
+  warm    6 unrelated single greedy requests (32 tokens each, the same to
+          both), then the same 8 streams again
+Ratios are per round (modeld / llama-server), reported as medians.
+
+    .venv/bin/python bench/bench_llama_server.py [--rounds 3]
+
+Writes bench/results/llama_server.json and llama_server.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_llamacpp import GGUF, PROMPTS, UNRELATED, Modeld, concurrent_threads, free_port  # noqa: E402
+from racing import goal, machine, median_ratio, round_order  # noqa: E402
+
+PEER_BIN = ROOT / "var/peers/llama.cpp/bin"
+RESULTS = ROOT / "bench/results"
+NEW_TOKENS = 128
+THREADS = 2
+
+
+class LlamaServer:
+    """llama.cpp's llama-server: 8 slots, continuous batching (its default)."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [str(PEER_BIN / "llama-server"), "-m", str(GGUF), "-t", str(THREADS), "-tb", str(THREADS),
+             "-np", "8", "-c", "16384", "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError("llama-server did not become healthy in 120 s")
+
+    def stream(self, prompt: str, max_tokens: int) -> dict:
+        # native endpoint: its last event carries the count of tokens predicted
+        body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "stream": True,
+                "ignore_eos": True, "cache_prompt": True}
+        start, first, tokens = time.perf_counter(), None, 0
+        with requests.post(f"{self.url}/completion", json=body, stream=True, timeout=600) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if not line.startswith(b"data: "):
+                    continue
+                event = json.loads(line[6:])
+                if event.get("content") and first is None:
+                    first = time.perf_counter()
+                if event.get("stop"):
+                    tokens = event.get("tokens_predicted") or event["timings"]["predicted_n"]
+        end = time.perf_counter()
+        return {"ttft": first - start, "tokens": tokens, "decode_s": end - first, "total_s": end - start}
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _rate(r: dict) -> float:
+    return (r["tokens"] - 1) / r["decode_s"]
+
+
+def _burst(results: list[dict], wall: float) -> dict:
+    return {"tok_s": sum(r["tokens"] for r in results) / wall,
+            "median_ttft_s": statistics.median(r["ttft"] for r in results)}
+
+
+def _single(results: list[dict]) -> dict:
+    return {"tok_s": statistics.median(_rate(r) for r in results),
+            "ttft_s": statistics.median(r["ttft"] for r in results)}
+
+
+def run_peer(peer: LlamaServer) -> dict:
+    peer.stream("Warm up.", 8)
+    single = _single([peer.stream(p, NEW_TOKENS) for p in PROMPTS[:3]])
+    fresh = _burst(*concurrent_threads(lambda p: peer.stream(p, NEW_TOKENS), PROMPTS))
+    for prompt in UNRELATED:
+        peer.stream(prompt, 32)
+    warm = _burst(*concurrent_threads(lambda p: peer.stream(p, NEW_TOKENS), PROMPTS))
+    return {"single": single, "fresh": fresh, "warm": warm}
+
+
+async def run_modeld(node: Modeld) -> dict:
+    await node.stream("Warm up.", 8)
+    # prefixes kept, as by default and as llama-server does (cache_prompt)
+    single = _single([await node.stream(p, NEW_TOKENS) for p in PROMPTS[:3]])
+
+    async def burst() -> dict:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(node.stream(p, NEW_TOKENS) for p in PROMPTS))
+        return _burst(results, time.perf_counter() - start)
+
+    fresh = await burst()
+    for prompt in UNRELATED:
+        await node.stream(prompt, 32)
+    warm = await burst()
+    return {"single": single, "fresh": fresh, "warm": warm}
+
+
+def batched_bench() -> dict:
+    """llama-batched-bench's decode speed at 1 and 8 sequences: what this
+    hardware does on the same work with no server around it."""
+    out = subprocess.run(
+        [str(PEER_BIN / "llama-batched-bench"), "-m", str(GGUF), "-c", "4096", "-b", "512", "-ub", "512",
+         "-npp", "32", "-ntg", str(NEW_TOKENS), "-npl", "1,8", "-t", str(THREADS)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=True, timeout=600).stdout
+    # table rows: |  PP |  TG |  B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and re.fullmatch(r"\d+", cells[0] or "x"):
+            rows[int(cells[2])] = {"decode_tok_s": float(cells[7]), "prompt_tok_s": float(cells[5])}
+    if 8 not in rows:
+        raise RuntimeError(f"could not read llama-batched-bench's table:\n{out}")
+    return rows
+
+
+async def race(rounds: int) -> dict:
+    runs = []
+    for r in range(rounds):
+        node, peer = Modeld("--no-preload"), LlamaServer()
+        try:
+            node.load()
+            got = {}
+            for side in round_order(["modeld", "llama-server"], r):
+                got[side] = await run_modeld(node) if side == "modeld" else run_peer(peer)
+        finally:
+            node.stop()
+            peer.stop()
+        got["first"] = round_order(["modeld", "llama-server"], r)[0]
+        runs.append(got)
+        m, p = got["modeld"], got["llama-server"]
+        print(f"round {r} ({got['first']} first): 8 streams fresh {m['fresh']['tok_s']:.1f} vs {p['fresh']['tok_s']:.1f} "
+              f"tok/s, warm {m['warm']['tok_s']:.1f} vs {p['warm']['tok_s']:.1f}; 1 stream {m['single']['tok_s']:.1f} "
+              f"vs {p['single']['tok_s']:.1f}; ttft@8 {m['fresh']['median_ttft_s']:.2f} vs {p['fresh']['median_ttft_s']:.2f} s",
+              flush=True)
+    return {"rounds": runs}
+
+
+def summarise(runs: list[dict], ceiling: dict) -> dict:
+    def series(side: str, phase: str, key: str) -> list[float]:
+        return [g[side][phase][key] for g in runs]
+
+    fresh = median_ratio(series("modeld", "fresh", "tok_s"), series("llama-server", "fresh", "tok_s"))
+    warm = median_ratio(series("modeld", "warm", "tok_s"), series("llama-server", "warm", "tok_s"))
+    single = median_ratio(series("modeld", "single", "tok_s"), series("llama-server", "single", "tok_s"))
+    ttft = median_ratio(series("modeld", "fresh", "median_ttft_s"), series("llama-server", "fresh", "median_ttft_s"))
+    ttft_warm = median_ratio(series("modeld", "warm", "median_ttft_s"), series("llama-server", "warm", "median_ttft_s"))
+    best8 = max(series("modeld", "fresh", "tok_s") + series("modeld", "warm", "tok_s"))
+    medians = {f"{side} {phase} {key}": statistics.median(series(side, phase, key))
+               for side in ("modeld", "llama-server") for phase in ("single", "fresh", "warm")
+               for key in (("tok_s", "ttft_s") if phase == "single" else ("tok_s", "median_ttft_s"))}
+    ceiling8 = ceiling[8]["decode_tok_s"]
+    return {
+        "medians": medians,
+        "goals": {
+            "8 streams fresh vs llama-server": goal(fresh, 1.0),
+            "8 streams warm vs llama-server": goal(warm, 1.0),
+            "8 streams vs llama-batched-bench decode": goal(medians["modeld fresh tok_s"] / ceiling8, 0.95),
+            "1 stream vs llama-server": goal(single, 1.0),
+            "median ttft at 8 streams vs llama-server": goal(ttft, 1.0, higher_is_better=False),
+        },
+        "ttft_warm_ratio": ttft_warm,
+        "modeld_warm_over_fresh": median_ratio(series("modeld", "warm", "tok_s"), series("modeld", "fresh", "tok_s")),
+        "peer_warm_over_fresh": median_ratio(series("llama-server", "warm", "tok_s"), series("llama-server", "fresh", "tok_s")),
+        "best_modeld_8_streams_over_ceiling": best8 / ceiling8,
+    }
+
+
+def chart(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    med = record["summary"]["medians"]
+    ceiling = record["ceiling"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    labels = ["1 stream", "8 fresh", "8 warm"]
+    keys = ["single tok_s", "fresh tok_s", "warm tok_s"]
+    x = range(len(labels))
+    for i, (side, color) in enumerate((("modeld", "#2a7"), ("llama-server", "#888"))):
+        axes[0].bar([v + i * 0.4 for v in x], [med[f"{side} {k}"] for k in keys], 0.4, label=side, color=color)
+    axes[0].axhline(ceiling[8]["decode_tok_s"], color="#c33", ls="--", label="batched-bench 8 seq")
+    axes[0].axhline(ceiling[1]["decode_tok_s"], color="#c93", ls=":", label="batched-bench 1 seq")
+    axes[0].set_xticks([v + 0.2 for v in x], labels)
+    axes[0].set_title("tok/s (medians of rounds)")
+    axes[0].legend(fontsize=7)
+    goals = record["summary"]["goals"]
+    axes[1].barh(list(goals), [g["ratio"] for g in goals.values()],
+                 color=["#2a7" if g["met"] else "#c33" for g in goals.values()])
+    axes[1].axvline(1.0, color="k", lw=0.5)
+    axes[1].set_title("ratios (green: goal met)")
+    axes[1].tick_params(axis="y", labelsize=7)
+    rounds = record["race"]["rounds"]
+    axes[2].plot([g["modeld"]["fresh"]["tok_s"] for g in rounds], "o-", color="#2a7", label="modeld fresh")
+    axes[2].plot([g["modeld"]["warm"]["tok_s"] for g in rounds], "s--", color="#2a7", label="modeld warm")
+    axes[2].plot([g["llama-server"]["fresh"]["tok_s"] for g in rounds], "o-", color="#888", label="llama-server fresh")
+    axes[2].plot([g["llama-server"]["warm"]["tok_s"] for g in rounds], "s--", color="#888", label="llama-server warm")
+    axes[2].set_title("8 streams tok/s per round")
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    if not (PEER_BIN / "llama-server").exists():
+        sys.exit("llama-server is not built: run `bash bench/peers/llama_server.sh` (or `make bench`)")
+    before = machine()
+    ceiling = batched_bench()
+    print(f"llama-batched-bench decode: {ceiling[1]['decode_tok_s']:.1f} tok/s at 1 sequence, "
+          f"{ceiling[8]['decode_tok_s']:.1f} at 8", flush=True)
+    race_record = asyncio.run(race(args.rounds))
+    summary = summarise(race_record["rounds"], ceiling)
+    record = {"command": f"python bench/bench_llama_server.py --rounds {args.rounds}", "machine": before,
+              "load_average_after": list(os.getloadavg()), "new_tokens": NEW_TOKENS, "threads": THREADS,
+              "ceiling": ceiling, "race": race_record, "summary": summary}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "llama_server.json").write_text(json.dumps(record, indent=2))
+    chart(record, RESULTS / "llama_server.png")
+    for name, g in summary["goals"].items():
+        print(f"{name}: {g['ratio']:.2f}x (goal {g['goal']}: {'met' if g['met'] else 'missed'})")
+    print(f"modeld warm/fresh {summary['modeld_warm_over_fresh']:.2f}x, llama-server warm/fresh "
+          f"{summary['peer_warm_over_fresh']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
