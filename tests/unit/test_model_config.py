@@ -395,7 +395,7 @@ def test_an_unknown_option_is_refused_with_the_known_keys():
         config_from_dict("m", {"torch": {"num_block": 64}})
     message = str(info.value)
     assert "torch.num_block" in message
-    assert "known keys: block_size, compile, context_length, device, draft_model, dtype" in message
+    assert "known keys: admission, admission_batch, admission_window_ms, block_size, compile, context_length, device" in message
     assert "draft_path" not in message  # the daemon's own key is not offered
 
 
