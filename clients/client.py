@@ -3,13 +3,20 @@
 Thin helpers over the generated stubs for what users do most: embed texts,
 run a tensor model, load and unload, list models, check health, read the
 node's load. Errors are grpc.RpcError with the daemon's status and message.
+
+Against a daemon with TLS pass `ca_file` (or `tls=True` to trust the system's
+CAs), with mutual TLS also `cert_file` and `key_file`; with a token file,
+`token`, which goes out as `authorization: Bearer <token>` on every call,
+calls made through `.stub` and `.channel` included.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -90,6 +97,110 @@ def _health_name(status: int) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
 
 
+def _read_pem(path, what: str) -> bytes | None:
+    if path is None:
+        return None
+    data = Path(path).read_bytes()
+    if b"-----BEGIN" not in data:
+        raise ValueError(f"{what} {path} is not a PEM file")
+    return data
+
+
+def channel_credentials(tls: bool = False, ca_file=None, cert_file=None,
+                        key_file=None) -> grpc.ChannelCredentials | None:
+    """SSL credentials when any TLS option is given, else None (plaintext).
+    Without `ca_file` the system's (gRPC's bundled) roots are trusted."""
+    if not (tls or ca_file or cert_file or key_file):
+        return None
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("mutual TLS needs both cert_file and key_file")
+    return grpc.ssl_channel_credentials(root_certificates=_read_pem(ca_file, "CA file"),
+                                        private_key=_read_pem(key_file, "key file"),
+                                        certificate_chain=_read_pem(cert_file, "certificate file"))
+
+
+def _channel_options(server_name: str | None) -> list:
+    # server_name: the name the daemon's certificate carries, when the
+    # address is not it (an IP, or a tunnel)
+    return CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", server_name)] if server_name else [])
+
+
+def _with_token(metadata, token: str) -> tuple:
+    return (*(metadata or ()), ("authorization", f"Bearer {token}"))
+
+
+class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
+                                                           "wait_for_ready", "compression")),
+                   grpc.ClientCallDetails):
+    pass
+
+
+class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                        grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the bearer token to every call of a blocking channel."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def _details(self, d):
+        return _CallDetails(d.method, d.timeout, _with_token(d.metadata, self._token), d.credentials,
+                            getattr(d, "wait_for_ready", None), getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    intercept_unary_stream = intercept_unary_unary
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    intercept_stream_stream = intercept_stream_unary
+
+
+def _aio_details(d, token: str):
+    return grpc.aio.ClientCallDetails(d.method, d.timeout, _with_token(d.metadata, token), d.credentials,
+                                      d.wait_for_ready)
+
+
+class _AioTokenUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(_aio_details(client_call_details, self._token), request)
+
+
+class _AioTokenUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(_aio_details(client_call_details, self._token), request)
+
+
+class _AioTokenStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return await continuation(_aio_details(client_call_details, self._token), request_iterator)
+
+
+class _AioTokenStreamStream(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return await continuation(_aio_details(client_call_details, self._token), request_iterator)
+
+
+def _aio_token_interceptors(token: str | None) -> list | None:
+    # grpc.aio picks interceptors by base class, one per call shape
+    if not token:
+        return None
+    return [cls(token) for cls in (_AioTokenUnary, _AioTokenUnaryStream, _AioTokenStreamUnary, _AioTokenStreamStream)]
+
+
 def _load_timeout(timeout: float | None) -> float | None:
     # a load can take minutes (a torch model compiles at load, the first time on a machine)
     return None if timeout is None else max(timeout, 600.0)
@@ -98,8 +209,14 @@ def _load_timeout(timeout: float | None) -> float | None:
 class Client:
     """Blocking client. `Client("127.0.0.1:8001")`; use as a context manager."""
 
-    def __init__(self, address: str = "127.0.0.1:8001", timeout: float | None = 30.0) -> None:
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str = "127.0.0.1:8001", timeout: float | None = 30.0, *,
+                 token: str | None = None, tls: bool = False, ca_file=None, cert_file=None, key_file=None,
+                 server_name: str | None = None) -> None:
+        credentials = channel_credentials(tls, ca_file, cert_file, key_file)
+        options = _channel_options(server_name)
+        channel = (grpc.secure_channel(address, credentials, options=options) if credentials is not None
+                   else grpc.insecure_channel(address, options=options))
+        self.channel = grpc.intercept_channel(channel, _TokenInterceptor(token)) if token else channel
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.node_stub = node_pb2_grpc.NodeStub(self.channel)
@@ -148,10 +265,16 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client with the same helpers; `async with AsyncClient(addr) as c:`."""
+    """asyncio client with the same helpers and options; `async with AsyncClient(addr) as c:`."""
 
-    def __init__(self, address: str = "127.0.0.1:8001", timeout: float | None = 30.0) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str = "127.0.0.1:8001", timeout: float | None = 30.0, *,
+                 token: str | None = None, tls: bool = False, ca_file=None, cert_file=None, key_file=None,
+                 server_name: str | None = None) -> None:
+        credentials = channel_credentials(tls, ca_file, cert_file, key_file)
+        options, interceptors = _channel_options(server_name), _aio_token_interceptors(token)
+        self.channel = (grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+                        if credentials is not None
+                        else grpc.aio.insecure_channel(address, options=options, interceptors=interceptors))
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.node_stub = node_pb2_grpc.NodeStub(self.channel)

@@ -2,6 +2,7 @@
 // with @grpc/proto-loader, so it never drifts from the daemon's contract.
 'use strict';
 
+const fs = require('fs');
 const path = require('path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
@@ -32,20 +33,41 @@ function decodeFp32(raw) {
   return new Float32Array(copy.buffer, copy.byteOffset, copy.length / 4);
 }
 
+// TLS when any of tls, caFile, certFile, keyFile is given; without caFile
+// the system's roots are trusted. certFile and keyFile: mutual TLS.
+function channelCredentials({ tls = false, caFile, certFile, keyFile } = {}) {
+  if (!(tls || caFile || certFile || keyFile)) return grpc.credentials.createInsecure();
+  if (Boolean(certFile) !== Boolean(keyFile)) throw new Error('mutual TLS needs both certFile and keyFile');
+  const read = (file) => (file ? fs.readFileSync(file) : null);
+  return grpc.credentials.createSsl(read(caFile), read(keyFile), read(certFile));
+}
+
 class ModeldClient {
-  constructor(address = '127.0.0.1:8001', { deadlineMs = 30000 } = {}) {
+  /**
+   * options: deadlineMs; token (sent as 'authorization: Bearer <token>' on
+   * every call); tls, caFile, certFile, keyFile; serverName (the name in the
+   * daemon's certificate when the address is not it).
+   */
+  constructor(address = '127.0.0.1:8001', options = {}) {
+    const { deadlineMs = 30000, token, serverName } = options;
     const inference = loadPackage('inference.proto').inference;
     const health = loadPackage('health.proto').grpc.health.v1;
-    const credentials = grpc.credentials.createInsecure();
-    this.inference = new inference.GRPCInferenceService(address, credentials, CHANNEL_OPTIONS);
-    this.healthStub = new health.Health(address, credentials);
+    const credentials = channelCredentials(options);
+    const channelOptions = { ...CHANNEL_OPTIONS };
+    if (serverName) channelOptions['grpc.ssl_target_name_override'] = serverName;
+    this.inference = new inference.GRPCInferenceService(address, credentials, channelOptions);
+    this.healthStub = new health.Health(address, credentials, channelOptions);
     this.deadlineMs = deadlineMs;
+    // per-call metadata rather than call credentials: grpc-js refuses those
+    // on plaintext channels, and a mesh may terminate TLS in front of us
+    this.metadata = new grpc.Metadata();
+    if (token) this.metadata.set('authorization', `Bearer ${token}`);
   }
 
   _call(stub, method, request) {
     const deadline = new Date(Date.now() + this.deadlineMs);
     return new Promise((resolve, reject) => {
-      stub[method](request, { deadline }, (err, response) => (err ? reject(err) : resolve(response)));
+      stub[method](request, this.metadata, { deadline }, (err, response) => (err ? reject(err) : resolve(response)));
     });
   }
 
@@ -76,4 +98,4 @@ class ModeldClient {
   }
 }
 
-module.exports = { ModeldClient, encodeBytesTensor };
+module.exports = { ModeldClient, channelCredentials, encodeBytesTensor };
