@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: all venv models serve test test-all test-remote vllm-env llama-peer bench proto node clean
+.PHONY: all venv models serve test test-all test-remote stress vllm-env infinity-env llama-peer bench proto node clean
 
 all: test
 
@@ -54,6 +54,11 @@ HF_SMOLLM2 := var/hf/smollm2/.modeld-complete
 vllm-env:
 	bash bench/peers/vllm_env.sh
 
+# Infinity (infinity-emb), bench_infinity.py's peer, in .venv-infinity, and the
+# ONNX export of all-MiniLM-L6-v2 its optimum engine serves (idempotent, once)
+infinity-env: $(STAMP)
+	bash bench/peers/infinity_env.sh
+
 # llama.cpp's own llama-server and llama-batched-bench, the llamacpp backend's
 # peers, built from the llama-cpp-python sdist our venv runs (about 15 min, once)
 llama-peer: $(STAMP)
@@ -68,7 +73,13 @@ test-remote: models vllm-env $(HF_SMOLLM2)
 test-all: models node vllm-env $(HF_SMOLLM2)
 	$(BIN)/pytest -m '' $(PYTEST_ARGS)
 
-bench: models vllm-env llama-peer $(HF_SMOLLM2)
+# tests/stress at full size (`make test` runs them short): 6,000 fuzzed
+# messages per RPC and kind, 1,000 load/evict cycles; figures in bench/results/stress.json
+stress: models
+	MODELD_STRESS_SCALE=20 MODELD_STRESS_RESULTS=bench/results/stress.json MODELD_STRESS_COMMAND="make stress" \
+		$(BIN)/pytest -m stress tests/stress $(PYTEST_ARGS)
+
+bench: models vllm-env infinity-env llama-peer $(HF_SMOLLM2)
 	$(BIN)/python bench/bench_minilm.py
 	$(BIN)/python bench/bench_llamacpp.py
 	$(BIN)/python bench/bench_llama_server.py
@@ -78,6 +89,8 @@ bench: models vllm-env llama-peer $(HF_SMOLLM2)
 	$(BIN)/python bench/bench_http.py
 	$(BIN)/python bench/bench_gateway.py
 	$(BIN)/python bench/bench_remote.py
+	$(BIN)/python bench/bench_infinity.py
+	$(BIN)/python bench/bench_torch_vllm.py
 
 proto: $(STAMP)
 	$(BIN)/python gen/build.py

@@ -89,6 +89,31 @@ class TransformersPeer:
             return {"generate_batch_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
 
+class StaticCompiledPeer(TransformersPeer):
+    """transformers' fastest generation path, on the eager peer's model and tokenizer: a static
+    KV cache with its forward compiled, as transformers documents it (generate with
+    cache_implementation="static" and a CompileConfig; decode steps run compiled, the prefill
+    eagerly). transformers compiles automatically on CUDA only; `_compile_all_devices` opts the
+    CPU in. mode "default": "reduce-overhead" means CUDA graphs, which a CPU has not. The static
+    cache is sized once (max_cache_len) so every call reuses one cache. The first calls of each
+    shape (1 row, 8 rows) compile: done here, untimed, and recorded as compile_s."""
+
+    MODE = "default"
+
+    def __init__(self, eager: TransformersPeer) -> None:
+        from transformers import CompileConfig
+
+        self.tokenizer, self.model = eager.tokenizer, eager.model
+        config = CompileConfig(fullgraph=True, mode=self.MODE)  # dynamic: torch decides (the mask grows)
+        config._compile_all_devices = True
+        self.generate_kwargs = {**eager.generate_kwargs, "cache_implementation": "static", "compile_config": config,
+                                "max_cache_len": NEW_TOKENS + 64}
+        start = time.perf_counter()
+        self.single()
+        self.padded_batch()
+        self.compile_s = time.perf_counter() - start
+
+
 class ModeldTorch:
     """The daemon serving smollm2-torch with the given settings, over gRPC."""
 
@@ -155,7 +180,8 @@ class ModeldTorch:
                 "drafted": spec["drafted"], "accepted": spec["accepted"], "speedup": decode_rate(spec) / decode_rate(plain)}
 
 
-async def rounds(peer: TransformersPeer, mine: ModeldTorch, count: int) -> list[dict]:
+async def rounds(peer: TransformersPeer, mine: ModeldTorch, count: int,
+                 static: StaticCompiledPeer | None = None) -> list[dict]:
     """Peer and modeld back to back, `count` times: this machine's speed drifts
     by up to 2x over minutes, so each ratio compares figures taken together."""
     await mine.stream("Warm up", 4)
@@ -165,6 +191,10 @@ async def rounds(peer: TransformersPeer, mine: ModeldTorch, count: int) -> list[
              "peer_batch8": peer.padded_batch(), "modeld_concurrent8": await mine.concurrent8()}
         r["single"] = r["modeld_single"] / r["peer_single"]
         r["concurrent8"] = r["modeld_concurrent8"] / r["peer_batch8"]
+        if static is not None:  # transformers' static cache + torch.compile, in the same round
+            r["static_single"], r["static_batch8"] = static.single(), static.padded_batch()
+            r["single_vs_static"] = r["modeld_single"] / r["static_single"]
+            r["concurrent8_vs_static"] = r["modeld_concurrent8"] / r["static_batch8"]
         out.append(r)
     return out
 
@@ -218,7 +248,13 @@ def chart(record: dict, path: Path) -> None:
 
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import argparse
+
+    parser = argparse.ArgumentParser(description="modeld torch runtime vs transformers")
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    count = parser.parse_args().rounds
     peer = TransformersPeer()
+    static = StaticCompiledPeer(peer)
     # right next to the peer's figures: this machine's memory bandwidth drifts
     floor = {"batch8": projection_floor(8), "single": projection_floor(1)}
 
@@ -226,7 +262,7 @@ def main() -> None:
         result = {}
         mine = ModeldTorch()
         try:
-            result["default"] = await rounds(peer, mine, ROUNDS)
+            result["default"] = await rounds(peer, mine, count, static)
             result["prefix"], result["ngram"] = await mine.prefix(), await mine.ngram()
         finally:
             mine.close()
@@ -241,7 +277,11 @@ def main() -> None:
     measured = asyncio.run(measure())
     default = measured["default"]
     peer_figures = {"generate_tok_s": median_of(default, "peer_single"),
-                    "padded_batch8_tok_s": median_of(default, "peer_batch8"), **peer.generate_batch()}
+                    "padded_batch8_tok_s": median_of(default, "peer_batch8"), **peer.generate_batch(),
+                    "static_compiled": {"generate_tok_s": median_of(default, "static_single"),
+                                        "padded_batch8_tok_s": median_of(default, "static_batch8"),
+                                        "compile_s": static.compile_s, "mode": static.MODE,
+                                        "max_cache_len": static.generate_kwargs["max_cache_len"]}}
     mine = {"single_tok_s": median_of(default, "modeld_single"), "concurrent8_tok_s": median_of(default, "modeld_concurrent8"),
             "prefix": measured["prefix"], "ngram": measured["ngram"], "rounds": default,
             "eager": measured["eager"][0], "bfloat16": measured["bfloat16"][0]}
@@ -250,12 +290,15 @@ def main() -> None:
         "concurrent8": median_of(default, "concurrent8"),
         "prefix_ttft": mine["prefix"]["ratio"],
         "ngram_speedup": mine["ngram"]["speedup"],
+        # against transformers' static cache + torch.compile (no goal of its own; recorded)
+        "single_vs_static_compiled": median_of(default, "single_vs_static"),
+        "concurrent8_vs_static_compiled": median_of(default, "concurrent8_vs_static"),
     }
     goals = {"single": ratios["single"] >= 1.2, "concurrent8": ratios["concurrent8"] >= 2.0,
              "prefix_ttft": ratios["prefix_ttft"] <= 0.25,
              "ngram_speedup": ratios["ngram_speedup"] >= 1.5 and mine["ngram"]["identical"]}
     record = {"command": "make bench (bench/bench_torch.py)", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "cpu_count": os.cpu_count(), "new_tokens": NEW_TOKENS, "rounds": ROUNDS, "transformers": peer_figures,
+              "cpu_count": os.cpu_count(), "new_tokens": NEW_TOKENS, "rounds": count, "transformers": peer_figures,
               "modeld": mine, "ratios": ratios, "goals_met": goals, "projection_floor": floor}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "torch.json").write_text(json.dumps(record, indent=2))
@@ -263,6 +306,10 @@ def main() -> None:
     for i, r in enumerate(default, 1):
         print(f"round {i}: 1 stream {r['modeld_single']:.1f} vs {r['peer_single']:.1f} tok/s ({r['single']:.2f}x), "
               f"8 streams {r['modeld_concurrent8']:.1f} vs padded batch {r['peer_batch8']:.1f} tok/s ({r['concurrent8']:.2f}x)")
+    sc = peer_figures["static_compiled"]
+    print(f"transformers static cache + torch.compile (compiled in {sc['compile_s']:.0f} s, untimed): 1 stream "
+          f"{sc['generate_tok_s']:.1f} tok/s, padded batch 8 {sc['padded_batch8_tok_s']:.1f} tok/s; modeld "
+          f"{ratios['single_vs_static_compiled']:.2f}x and {ratios['concurrent8_vs_static_compiled']:.2f}x")
     print(f"transformers generate_batch: {peer_figures.get('generate_batch_tok_s', peer_figures.get('generate_batch_error'))}")
     print(f"modeld torch: prefix ttft {mine['prefix']['cold_ttft_s']:.2f} s cold -> {mine['prefix']['warm_ttft_s']:.2f} s warm "
           f"({mine['prefix']['cached_tokens']} cached); n-gram {mine['ngram']['plain_tok_s']:.1f} -> {mine['ngram']['spec_tok_s']:.1f} tok/s "
