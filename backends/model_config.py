@@ -116,6 +116,10 @@ class ModelConfig:
     is_remote: bool = False
     kind: ModelKind = ModelKind.TENSOR
     rerank: RerankSpec = RerankSpec()
+    # [limits] max_request_bytes: None follows the daemon's max_request_bytes
+    max_request_bytes: int | None = None
+    # "process": a worker process of its own (server/workers); None: the daemon's default
+    isolation: str | None = None
 
     @property
     def artifact_path(self) -> str:
@@ -156,7 +160,7 @@ def config_from_json(name: str, text: str) -> ModelConfig:
 
 _KNOWN_KEYS = {
     "format", "backends", "artifact", "batching", "memory_estimate", "warmup",
-    "pinned", "lazy_load", "inputs", "outputs", "text", "name", "kind", "rerank", *OPTIONS_BY_BACKEND,
+    "pinned", "lazy_load", "inputs", "outputs", "text", "name", "kind", "rerank", "limits", "isolation", *OPTIONS_BY_BACKEND,
 }
 
 
@@ -197,7 +201,34 @@ def config_from_dict(name: str, raw: dict[str, Any]) -> ModelConfig:
         backend_options=backend_options,
         kind=kind,
         rerank=rerank,
+        max_request_bytes=_limits(name, reader.table("limits")),
+        isolation=_isolation(reader),
     )
+
+
+ISOLATION_VALUES = ("process", "in-process")
+
+
+def _isolation(reader: _Reader) -> str | None:
+    if "isolation" not in reader.raw:
+        return None
+    value = reader.raw["isolation"]
+    if value not in ISOLATION_VALUES:
+        raise reader._fail("isolation", "one of " + ", ".join(ISOLATION_VALUES))
+    return value
+
+
+_LIMITS_KEYS = ("max_request_bytes",)
+
+
+def _limits(model: str, limits: dict[str, Any]) -> int | None:
+    unknown = sorted(set(limits) - set(_LIMITS_KEYS))
+    if unknown:
+        raise InvalidArgument(f"model {model!r}: unknown key limits.{unknown[0]}; known keys are {list(_LIMITS_KEYS)}")
+    cap = _Reader(model, limits, "limits.").size("max_request_bytes")
+    if cap is not None and cap < 1:
+        raise InvalidArgument(f"model {model!r}: config key limits.max_request_bytes must be at least 1 byte, got {cap}")
+    return cap
 
 
 def _check_remote(model: str, declared: ModelFormat, has_table: bool, options: BackendOptions) -> None:
@@ -375,7 +406,7 @@ def _triton_to_native(raw: dict[str, Any]) -> dict[str, Any]:
             raise InvalidArgument(f"config key {key} must be {'an object' if kind is dict else 'a list'}, got {raw[key]!r}")
     triton_backend = raw.get("backend") or raw.get("platform")
     if triton_backend is not None:
-        if triton_backend not in _TRITON_ONNX_NAMES:
+        if not isinstance(triton_backend, str) or triton_backend not in _TRITON_ONNX_NAMES:
             raise InvalidArgument(
                 f"Triton backend/platform {triton_backend!r} is not served by modeld; "
                 f"use one of {sorted(_TRITON_ONNX_NAMES)} or set 'format'"

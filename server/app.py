@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 from prometheus_client import start_http_server
 
-from modeld.backends.errors import ModeldError
+from modeld.backends.errors import ErrorKind, ModeldError
 from modeld.backends.registry import BackendRegistry
 from modeld.backends.sizes import format_size
 from modeld.gen import _pool, generation_pb2, generation_pb2_grpc, inference_pb2, inference_pb2_grpc, node_pb2, node_pb2_grpc
@@ -29,6 +29,9 @@ from modeld.server.requests import ModelState
 from modeld.server.services.generation import GenerationService
 from modeld.server.services.inference import InferenceService
 from modeld.server.services.node import NodeService
+from modeld.server.services.parsing import ParsingServer
+from modeld.server.tls import ServerTls, TlsFiles, add_port
+from modeld.server.workers.proxy import own_rss
 
 log = structlog.get_logger("modeld.daemon")
 
@@ -92,8 +95,9 @@ class Daemon:
         self.engine = Engine(
             ModelRepository(settings.model_repository, Path(self._inline_dir.name)),
             self.registry, MemoryManager(settings.memory_budget), self.metrics, settings.lazy_load,
-            settings.health_policy(),
+            settings.health_policy(), max_streams=settings.max_streams,
         )
+        self.engine.use_workers(settings.worker_policy())
         self.health = health.aio.HealthServicer()
         self.engine.add_listener(self._on_model_state)
         self.server: grpc.aio.Server | None = None
@@ -103,6 +107,13 @@ class Daemon:
         self._http = None
         self._http_task: asyncio.Task | None = None
         self._stopped = asyncio.Event()
+        self.tls = (ServerTls(TlsFiles(settings.tls_cert, settings.tls_key, settings.tls_client_ca))
+                    if settings.tls_cert is not None else None)
+        self.auth = None
+        if settings.auth_token_file is not None:
+            from modeld.server.auth import Authenticator
+
+            self.auth = Authenticator(settings.auth_token_file)
 
     def _on_model_state(self, name: str, state: ModelState) -> None:
         status = _HEALTH_BY_STATE.get(state, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -115,19 +126,29 @@ class Daemon:
             ("grpc.max_send_message_length", s.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self.server = grpc.aio.server(options=options)
+        interceptors = []
+        if self.auth is not None:
+            from modeld.server.auth import AuthInterceptor
+
+            interceptors.append(AuthInterceptor(self.auth))
+        self.server = grpc.aio.server(options=options, interceptors=interceptors or None)
+        # every handler registered through it parses its own request: bytes
+        # that are no valid message are INVALID_ARGUMENT, not grpc's UNKNOWN
+        parsing = ParsingServer(self.server, lambda: self.engine.count_failure("", ErrorKind.INVALID_ARGUMENT))
+        request_cap = s.max_request_bytes or s.max_message_bytes
         inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            InferenceService(self.engine, self.lifecycle), self.server)
-        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(self.engine, self.lifecycle), self.server)
-        node_pb2_grpc.add_NodeServicer_to_server(NodeService(self.engine, self.lifecycle), self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+            InferenceService(self.engine, self.lifecycle, max_request_bytes=request_cap), parsing)
+        generation_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationService(self.engine, self.lifecycle, max_request_bytes=request_cap), parsing)
+        node_pb2_grpc.add_NodeServicer_to_server(NodeService(self.engine, self.lifecycle), parsing)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, parsing)
         reflection.enable_server_reflection(
             [inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
              generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
              node_pb2.DESCRIPTOR.services_by_name["Node"].full_name,
              health.SERVICE_NAME, reflection.SERVICE_NAME],
-            self.server, pool=reflection_pool())
-        self.port = self.server.add_insecure_port(f"{s.host}:{s.grpc_port}")
+            parsing, pool=reflection_pool())
+        self.port = add_port(self.server, f"{s.host}:{s.grpc_port}", self.tls)
         if self.port == 0:
             raise OSError(f"cannot listen on {s.host}:{s.grpc_port}")
         await self.server.start()
@@ -138,7 +159,10 @@ class Daemon:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         log.info("daemon_started", host=s.host, grpc_port=self.port, http_port=self.http_port,
                  metrics_port=self.metrics_port,
+                 tls="mutual" if self.tls is not None and self.tls.mutual else "on" if self.tls is not None else "off",
+                 auth=f"{len(self.auth.table)} tokens" if self.auth is not None else "off",
                  memory_budget=format_size(s.memory_budget), memory_budget_bytes=s.memory_budget,
+                 daemon_rss_bytes=own_rss(),  # outside the budget: README, "Worker processes"
                  backends={e.name: (e.availability.reason or "available") for e in self.registry.entries()})
         if s.preload:
             await self._preload()
@@ -156,7 +180,7 @@ class Daemon:
 
         sock = _listen(s.host, s.http_port)
         config = uvicorn.Config(
-            build_app(self.engine, self.lifecycle, s.max_message_bytes),
+            build_app(self.engine, self.lifecycle, s.max_message_bytes, authenticator=self.auth),
             log_config=None, lifespan="off", access_log=False, server_header=False,
             timeout_graceful_shutdown=s.shutdown_grace_s,
             # longer than clients and balancers keep idle connections (aiohttp
@@ -164,6 +188,11 @@ class Daemon:
             # their next request on the same connection, which then fails
             timeout_keep_alive=75,
         )
+        if self.tls is not None:
+            # set after load(): uvicorn builds its own context from file names,
+            # which could not switch certificates on SIGHUP
+            config.load()
+            config.ssl = self.tls.http_context()
         self._http = _uvicorn_server(config)
         self.http_port = sock.getsockname()[1]
         self._http_task = asyncio.get_running_loop().create_task(self._http.serve(sockets=[sock]))
@@ -219,11 +248,24 @@ class Daemon:
         log.info("daemon_stopped")
         self._stopped.set()
 
+    def reload_credentials(self) -> None:
+        """SIGHUP: reread certificates and tokens. New handshakes and calls
+        use them; connections and calls in flight are left alone. A file that
+        fails to load keeps the old credentials (logged)."""
+        if self.tls is None and self.auth is None:
+            log.info("reload_skipped", reason="no TLS or token file configured")
+            return
+        if self.tls is not None:
+            self.tls.reload()
+        if self.auth is not None:
+            self.auth.reload()
+
     async def run_until_signalled(self) -> None:
         loop = asyncio.get_running_loop()
         stop_requested = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop_requested.set)
+        loop.add_signal_handler(signal.SIGHUP, self.reload_credentials)
         await self.start()
         await stop_requested.wait()
         await self.stop()

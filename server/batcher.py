@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import inspect
 import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,7 @@ import anyio
 import numpy as np
 import structlog
 
-from modeld.backends.errors import InvalidArgument, ModeldError, ResourceExhausted, Unavailable
+from modeld.backends.errors import DeadlineExceeded, InvalidArgument, ModeldError, ResourceExhausted, Unavailable
 from modeld.backends.generation.params import queue_rank
 
 log = structlog.get_logger("modeld.batcher")
@@ -43,6 +44,7 @@ class _Pending:
     output_names: tuple[str, ...]
     future: asyncio.Future
     priority: int = 0
+    deadline: float | None = None  # time.monotonic(); past it the request is dropped unrun
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
     arrival: int = field(default_factory=lambda: next(_arrivals))
 
@@ -77,6 +79,8 @@ class DynamicBatcher:
                  max_queue_size: int = 1024, on_batch: Callable[[BatchReport], None] | None = None,
                  preferred_batch_sizes: tuple[int, ...] = ()) -> None:
         self._execute = execute
+        # a coroutine (a worker process's model): awaited on the loop, no thread
+        self._is_async = inspect.iscoroutinefunction(execute)
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_us / 1e6
         self.max_queue_size = max_queue_size
@@ -107,7 +111,7 @@ class DynamicBatcher:
         self._executor.shutdown(wait=False)
 
     async def submit(self, inputs: dict[str, np.ndarray], output_names: tuple[str, ...],
-                     priority: int = 0) -> dict[str, np.ndarray]:
+                     priority: int = 0, deadline: float | None = None) -> dict[str, np.ndarray]:
         if self._stopping or (self._task is not None and self._task.done()):
             raise Unavailable("the model is being unloaded; retry and it will be loaded again")
         if not inputs:
@@ -116,7 +120,7 @@ class DynamicBatcher:
             raise ResourceExhausted(
                 f"the model's queue is full ({self.max_queue_size} requests waiting); retry later"
             )
-        pending = _Pending(inputs, output_names, asyncio.get_running_loop().create_future(), priority)
+        pending = _Pending(inputs, output_names, asyncio.get_running_loop().create_future(), priority, deadline)
         if self.max_batch_size and pending.num_rows > self.max_batch_size:
             raise InvalidArgument(
                 f"batch of {pending.num_rows} exceeds the model's max_batch_size {self.max_batch_size}"
@@ -206,6 +210,9 @@ class DynamicBatcher:
         return None
 
     async def _run(self, batch: list[_Pending]) -> None:
+        batch = _still_wanted(batch)
+        if not batch:
+            return
         start = time.perf_counter_ns()
         try:
             results = await self._execute_merged(batch)
@@ -237,9 +244,14 @@ class DynamicBatcher:
         names = batch[0].output_names
         loop = asyncio.get_running_loop()
         if len(batch) == 1:
+            if self._is_async:
+                return [await self._execute(batch[0].inputs, names)]
             return [await loop.run_in_executor(self._executor, self._execute, batch[0].inputs, names)]
         merged = {name: np.concatenate([b.inputs[name] for b in batch]) for name in batch[0].inputs}
-        outputs = await loop.run_in_executor(self._executor, self._execute, merged, names)
+        if self._is_async:
+            outputs = await self._execute(merged, names)
+        else:
+            outputs = await loop.run_in_executor(self._executor, self._execute, merged, names)
         return split_outputs(outputs, [b.num_rows for b in batch])
 
 
@@ -251,6 +263,22 @@ def split_outputs(outputs: dict[str, np.ndarray], rows: list[int]) -> list[dict[
             raise InvalidArgument(f"output {name!r} has no batch dimension of {total}; cannot split the batch")
     bounds = np.cumsum([0] + rows)
     return [{name: arr[bounds[i]:bounds[i + 1]] for name, arr in outputs.items()} for i in range(len(rows))]
+
+
+def _still_wanted(batch: list[_Pending]) -> list[_Pending]:
+    """The requests worth running: a client that left while its batch
+    formed, or a deadline that passed meanwhile, would throw the work away."""
+    now = time.monotonic()
+    wanted = []
+    for item in batch:
+        if item.future.done():
+            continue
+        if item.deadline is not None and now >= item.deadline:
+            _settle(item, DeadlineExceeded("the request's deadline passed while it waited in the model's queue; "
+                                           "it was not run"))
+            continue
+        wanted.append(item)
+    return wanted
 
 
 def _settle(item: _Pending, outcome: object) -> None:

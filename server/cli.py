@@ -20,10 +20,22 @@ def _serve_args(sub) -> None:
                    help="HTTP port for KServe v2 REST and the OpenAI API (default 8000; 0 picks a free one; -1 off)")
     p.add_argument("--metrics-port", dest="metrics_port", type=int, help="Prometheus port (default 8002; -1 off)")
     p.add_argument("--memory-budget", dest="memory_budget", help="bytes all models may hold, e.g. 2GiB (default: half of RAM)")
+    p.add_argument("--max-streams", dest="max_streams", type=int,
+                   help="generations in progress at once, daemon-wide (default 1024); beyond: RESOURCE_EXHAUSTED")
     p.add_argument("--config", type=Path, help="TOML settings file")
     p.add_argument("--no-lazy-load", dest="lazy_load", action="store_const", const=False, help="never load a model on first request")
     p.add_argument("--no-preload", dest="preload", action="store_const", const=False, help="don't load repository models at start")
     p.add_argument("--log-format", dest="log_format", choices=["json", "console"])
+    p.add_argument("--isolation", choices=["auto", "process", "in-process"],
+                   help="where models run unless their model.toml sets isolation: each in a worker process, "
+                        "in the daemon, or auto (default: native LLM backends in a worker, the rest in-process)")
+    p.add_argument("--tls-cert", dest="tls_cert", metavar="FILE",
+                   help="PEM certificate chain: serve TLS on the gRPC and HTTP ports (with --tls-key)")
+    p.add_argument("--tls-key", dest="tls_key", metavar="FILE", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", dest="tls_client_ca", metavar="FILE",
+                   help="mutual TLS: refuse clients without a certificate this CA signed")
+    p.add_argument("--auth-token-file", dest="auth_token_file", metavar="FILE",
+                   help="lines of '<token> <role>' (infer or admin); calls then need 'authorization: Bearer <token>'")
 
 
 def _gateway_args(sub) -> None:
@@ -67,7 +79,32 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_args(sub)
     _gateway_args(sub)
     _client_args(sub)
+    for name in ("models", "health", "load", "unload", "infer"):
+        _credential_args(sub.choices[name])
     return parser
+
+
+def _credential_args(p) -> None:
+    p.add_argument("--token", help="bearer token (default: $MODELD_TOKEN); prefer --token-file, "
+                                   "as other users can read a process's arguments")
+    p.add_argument("--token-file", dest="token_file", type=Path, help="file whose first word is the token")
+    p.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
+    p.add_argument("--tls-ca", dest="tls_ca", type=Path,
+                   help="PEM CA that signed the daemon's certificate (implies --tls)")
+    p.add_argument("--tls-cert", dest="tls_cert", type=Path, help="PEM client certificate, for mutual TLS")
+    p.add_argument("--tls-key", dest="tls_key", type=Path, help="PEM key of --tls-cert")
+
+
+def _client_credentials(args) -> dict:
+    """Client keyword arguments from the flags; OSError names a file that can't be read."""
+    import os
+
+    token = args.token or os.environ.get("MODELD_TOKEN") or None
+    if args.token_file is not None:
+        lines = args.token_file.read_text(encoding="utf-8").split()
+        token = lines[0] if lines else None
+    return {"token": token, "tls": args.tls, "ca_file": args.tls_ca, "cert_file": args.tls_cert,
+            "key_file": args.tls_key}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +127,9 @@ def serve(args) -> int:
     from modeld.server.logging import configure_logging
 
     flags = {k: getattr(args, k) for k in ("model_repository", "host", "grpc_port", "http_port", "metrics_port",
-                                           "memory_budget", "lazy_load", "preload", "log_format")}
+                                           "memory_budget", "lazy_load", "preload", "log_format", "max_streams")}
+    flags.update({k: getattr(args, k) for k in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")})
+    flags["isolation"] = args.isolation
     try:
         settings = load_settings(flags, config_file=args.config)
     except ConfigError as exc:
@@ -127,7 +166,12 @@ def run_client_command(args) -> int:
     from modeld.clients import Client
 
     try:
-        with Client(args.address) as client:
+        credentials = _client_credentials(args)
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"modeld: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with Client(args.address, **credentials) as client:
             if args.command == "models":
                 for m in client.models():
                     print(f"{m.name}\t{m.version}\t{m.state}\t{m.reason}")
@@ -155,6 +199,9 @@ def run_client_command(args) -> int:
     except grpc.RpcError as exc:
         print(f"modeld: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
+    except (OSError, ValueError) as exc:  # a TLS or token file that can't be used, bad --inputs JSON
+        print(f"modeld: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -41,6 +41,9 @@ class Settings:
     lazy_load: bool = True
     preload: bool = True  # load every repository model that fits at start
     max_message_bytes: int = 256 * 1024**2
+    # a model's request cap unless its [limits] sets one; 0: max_message_bytes
+    max_request_bytes: int = 0
+    max_streams: int = 1024  # generations in progress at once, over every model and front
     shutdown_grace_s: float = 10.0
     drain_delay_s: float = 0.5  # NOT_SERVING is visible this long before the port closes
     log_level: str = "info"
@@ -50,9 +53,26 @@ class Settings:
     backend_unhealthy_after: int = HealthPolicy.unhealthy_after
     backend_health_window_s: float = HealthPolicy.window_s
     backend_cooldown_s: float = HealthPolicy.cooldown_s
+    # worker processes (server/workers): where a model runs unless its
+    # model.toml says (auto: native LLM backends in a worker, the rest in-process)
+    isolation: str = "auto"
+    worker_load_timeout_s: float = 300.0  # a worker still loading after this is killed
+    worker_restart_backoff_s: float = 1.0  # wait before restarting a model whose worker died, doubling
+    worker_restart_backoff_max_s: float = 60.0
+    # transport security (server/tls.py, server/auth.py); all reread on SIGHUP
+    tls_cert: Path | None = None  # PEM chain; with tls_key, both ports serve TLS
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # mutual TLS: clients need a certificate this CA signed
+    auth_token_file: Path | None = None  # lines of '<token> <role>'; set, every call but probes needs a token
 
     def health_policy(self) -> HealthPolicy:
         return HealthPolicy(self.backend_unhealthy_after, self.backend_health_window_s, self.backend_cooldown_s)
+
+    def worker_policy(self):
+        from modeld.server.workers.supervisor import WorkerPolicy
+
+        return WorkerPolicy(self.isolation, self.worker_load_timeout_s, self.worker_restart_backoff_s,
+                            self.worker_restart_backoff_max_s, log_level=self.log_level, log_format=self.log_format)
 
     def describe(self) -> str:
         return (f"repository={self.model_repository} grpc={self.host}:{self.grpc_port} "
@@ -69,6 +89,8 @@ _PARSERS = {
     "lazy_load": lambda v: _parse_bool(v),
     "preload": lambda v: _parse_bool(v),
     "max_message_bytes": parse_size,
+    "max_request_bytes": parse_size,
+    "max_streams": int,
     "shutdown_grace_s": float,
     "drain_delay_s": float,
     "log_level": str,
@@ -76,7 +98,19 @@ _PARSERS = {
     "backend_unhealthy_after": int,
     "backend_health_window_s": float,
     "backend_cooldown_s": float,
+    "isolation": str,
+    "worker_load_timeout_s": float,
+    "worker_restart_backoff_s": float,
+    "worker_restart_backoff_max_s": float,
+    "tls_cert": lambda v: _optional_path(v),
+    "tls_key": lambda v: _optional_path(v),
+    "tls_client_ca": lambda v: _optional_path(v),
+    "auth_token_file": lambda v: _optional_path(v),
 }
+
+
+def _optional_path(value: Any) -> Path | None:
+    return Path(value) if value not in ("", None) else None
 
 
 def _parse_bool(value: Any) -> bool:
@@ -118,6 +152,7 @@ def load_settings(flags: dict[str, Any], environ: dict[str, str] | None = None,
         settings = dataclasses.replace(settings, memory_budget=default_memory_budget())
     try:
         _validate(settings)
+        _validate_security(settings)
     except ConfigError as exc:
         key = exc.args[1] if len(exc.args) > 1 else None
         origin = values[key][1] if key in values else "the default"
@@ -135,6 +170,32 @@ def _read_toml(path: Path) -> dict[str, Any]:
     return data.get("modeld", data)
 
 
+def _validate_security(s: Settings) -> None:
+    """Read the certificates and the token file now, so a bad one stops the
+    start with its reason rather than failing the first handshake or call."""
+    if (s.tls_cert is None) != (s.tls_key is None):
+        missing = "tls_key" if s.tls_key is None else "tls_cert"
+        raise ConfigError(f"{missing} is needed too: TLS takes a certificate and its key",
+                          "tls_cert" if missing == "tls_key" else "tls_key")
+    if s.tls_client_ca is not None and s.tls_cert is None:
+        raise ConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key too", "tls_client_ca")
+    if s.tls_cert is not None:
+        from modeld.server.tls import TlsError, TlsFiles, check_files
+
+        try:
+            check_files(TlsFiles(s.tls_cert, s.tls_key, s.tls_client_ca))
+        except TlsError as exc:
+            key = "tls_client_ca" if "client CA" in str(exc) else "tls_key" if "TLS key" in str(exc) else "tls_cert"
+            raise ConfigError(str(exc), key) from None
+    if s.auth_token_file is not None:
+        from modeld.server.auth import TokenFileError, load_token_file
+
+        try:
+            load_token_file(s.auth_token_file)
+        except TokenFileError as exc:
+            raise ConfigError(str(exc), "auth_token_file") from None
+
+
 def _validate(s: Settings) -> None:
     """Raises ConfigError(message, setting) so the caller can name the origin."""
     checks = (
@@ -146,12 +207,22 @@ def _validate(s: Settings) -> None:
          f"model_repository {s.model_repository} is not a directory"),
         ("max_message_bytes", 1024 <= s.max_message_bytes < 2**31,
          "max_message_bytes must be between 1KiB and 2GiB (protobuf's limit)"),
+        ("max_request_bytes", 0 <= s.max_request_bytes <= s.max_message_bytes,
+         f"max_request_bytes {s.max_request_bytes} must be 0 (max_message_bytes) up to max_message_bytes "
+         f"{s.max_message_bytes}: gRPC refuses larger messages before any model sees them"),
+        ("max_streams", s.max_streams >= 1, f"max_streams {s.max_streams} must be at least 1"),
         ("shutdown_grace_s", s.shutdown_grace_s >= 0, "shutdown_grace_s must not be negative"),
         ("drain_delay_s", s.drain_delay_s >= 0, "drain_delay_s must not be negative"),
         ("log_format", s.log_format in ("json", "console"), f"log_format {s.log_format!r} must be json or console"),
         ("backend_unhealthy_after", s.backend_unhealthy_after >= 1, "backend_unhealthy_after must be at least 1"),
         ("backend_health_window_s", s.backend_health_window_s > 0, "backend_health_window_s must be positive"),
         ("backend_cooldown_s", s.backend_cooldown_s > 0, "backend_cooldown_s must be positive"),
+        ("isolation", s.isolation in ("auto", "process", "in-process"),
+         f"isolation {s.isolation!r} must be auto, process or in-process"),
+        ("worker_load_timeout_s", s.worker_load_timeout_s > 0, "worker_load_timeout_s must be positive"),
+        ("worker_restart_backoff_s", s.worker_restart_backoff_s >= 0, "worker_restart_backoff_s must not be negative"),
+        ("worker_restart_backoff_max_s", s.worker_restart_backoff_max_s >= s.worker_restart_backoff_s,
+         "worker_restart_backoff_max_s must be at least worker_restart_backoff_s"),
     )
     for key, ok, message in checks:
         if not ok:

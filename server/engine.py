@@ -40,6 +40,7 @@ from modeld.server.request_context import current_protocol
 from modeld.server.requests import InferRequest, InferResult, ModelState, ModelStatus
 from modeld.server.stats import ModelStats
 from modeld.server.validation import validate_inputs, warmup_inputs
+from modeld.server.workers.supervisor import WorkerPolicy, WorkerSupervisor
 
 log = structlog.get_logger("modeld.engine")
 
@@ -79,8 +80,13 @@ StateListener = Callable[[str, ModelState], None]
 
 class Engine:
     def __init__(self, repository: ModelRepository, registry: BackendRegistry, memory: MemoryManager,
-                 metrics: Metrics, lazy_load: bool = True, health_policy: HealthPolicy = HealthPolicy()) -> None:
+                 metrics: Metrics, lazy_load: bool = True, health_policy: HealthPolicy = HealthPolicy(),
+                 max_streams: int = 1024) -> None:
         self.repository = repository
+        # generations in progress at once, daemon-wide: past it a new one is
+        # refused at once rather than queued behind work the node cannot take
+        self.max_streams = max_streams
+        self.num_streams = 0
         self.registry = registry
         self.memory = memory
         self.metrics = metrics
@@ -101,6 +107,12 @@ class Engine:
         self._health_timer: asyncio.TimerHandle | None = None
         for backend in registry.available():
             metrics.backend_healthy.labels(backend.name).set(1)
+        # which models run in a worker process, and their restart backoff
+        self.workers = WorkerSupervisor(WorkerPolicy(), metrics)
+
+    def use_workers(self, policy: WorkerPolicy) -> None:
+        """The daemon's worker settings (default isolation, load timeout, backoff)."""
+        self.workers = WorkerSupervisor(policy, self.metrics)
 
     # -- state ---------------------------------------------------------------
 
@@ -183,6 +195,7 @@ class Engine:
         source = resolve_embedding_model(self._resolve_draft(source or self.repository.resolve(name)), self.repository)
         if name in self._served:
             await self.unload(name, forget_inline=False)
+        self.workers.check_backoff(name)  # a model whose worker keeps dying waits its turn
         reasons: list[str] = []
         for backend in self.registry.load_order(source.config.backends, self.backend_health.is_healthy):
             verdict = backend.can_serve(source.config, source.model_dir)
@@ -231,16 +244,21 @@ class Engine:
             self.memory.add(key, estimate, config.pinned)
         try:
             async with self._load_lock:
-                loaded = await anyio.to_thread.run_sync(backend.load, config, source.model_dir)
+                if self.workers.isolates(backend, config):
+                    loaded = await self.workers.load(backend, config, source.model_dir)
+                else:
+                    loaded = await anyio.to_thread.run_sync(backend.load, config, source.model_dir)
         except BaseException:
             self.memory.remove(key)
             raise
         try:
             await self._settle_measured_size(key, loaded.nbytes, exclude)
         except ResourceExhausted:
-            await anyio.to_thread.run_sync(loaded.unload)
+            await _unload(loaded)
             raise
         served = self._make_served(config, source, backend, loaded)
+        if hasattr(loaded, "worker"):  # a worker process (server/workers)
+            self._follow_worker(served)
         # set before warm-up: a failed warm-up drops the model, which removes this series
         self.metrics.loaded_bytes.labels(config.name, backend.name).set(loaded.nbytes)
         self.metrics.used_bytes.set(self.memory.used)
@@ -294,7 +312,9 @@ class Engine:
             for queue_ns in report.queue_ns:
                 self.metrics.queue_latency.labels(name).observe(queue_ns / 1e9)
 
-        served.batcher = DynamicBatcher(loaded.execute, config.max_batch_size, config.max_queue_delay_us,
+        # a worker's batches go out on the event loop, with no thread hop
+        execute = getattr(loaded, "execute_async", None) or loaded.execute
+        served.batcher = DynamicBatcher(execute, config.max_batch_size, config.max_queue_delay_us,
                                         config.max_queue_size, on_batch, config.preferred_batch_sizes)
         return served
 
@@ -341,6 +361,7 @@ class Engine:
                 self._unloading.discard(name)
         if forget_inline:
             self.repository.remove_inline(name)
+        self.workers.forget(name)  # an operator's unload clears a crash loop's backoff
         self._notify(name, ModelState.UNAVAILABLE)
 
     async def _drop(self, served: ServedModel) -> None:
@@ -351,12 +372,55 @@ class Engine:
             await served.batcher.stop()
         else:
             await served.loaded.stop()
-        await anyio.to_thread.run_sync(served.loaded.unload)
+        await _unload(served.loaded)
         await anyio.to_thread.run_sync(release_freed_memory)
         self.memory.remove(served.key)
         self.metrics.loaded_bytes.remove(served.config.name, served.backend.name)
         self.metrics.used_bytes.set(self.memory.used)
         log.info("model_unloaded", model=served.config.name, backend=served.backend.name)
+
+    # -- worker processes ---------------------------------------------------------
+
+    def _follow_worker(self, served: ServedModel) -> None:
+        """A worker model's memory follows its process's resident memory, and
+        its death drops the model (its calls in flight already failed)."""
+        worker = served.loaded.worker
+        worker.on_death = lambda how: asyncio.get_running_loop().create_task(self._worker_died(served, how))
+        served.loaded.watch_memory(lambda nbytes: self._worker_resized(served, nbytes),
+                                   self.workers.policy.memory_interval_s)
+
+    async def _worker_died(self, served: ServedModel, how: str) -> None:
+        name = served.config.name
+        worker = served.loaded.worker
+        self.workers.record_death(name, served.backend.name, how, time.monotonic() - worker.started)
+        if self._served.get(name) is not served or name in self._unloading:
+            return  # already being replaced or unloaded: that path drops it
+        self._failures[name] = str(worker.death)
+        await self._drop(served)
+        self._notify(name, ModelState.UNAVAILABLE)
+
+    def _worker_resized(self, served: ServedModel, nbytes: int) -> None:
+        if served.key not in self.memory:
+            return
+        self.memory.resize(served.key, nbytes)
+        self.metrics.loaded_bytes.labels(served.config.name, served.backend.name).set(nbytes)
+        self.metrics.used_bytes.set(self.memory.used)
+        if self.memory.free < 0:
+            asyncio.get_running_loop().create_task(self._make_room_after_growth(served))
+
+    async def _make_room_after_growth(self, served: ServedModel) -> None:
+        """A worker grew past the budget: evict idle models to bring the books
+        back under it (the grown model itself is busy or the most recent)."""
+        async with self._memory_lock:
+            if self.memory.free >= 0:
+                return
+            try:
+                victims = self.memory.plan(0, frozenset({served.key}))
+            except ResourceExhausted as exc:
+                log.warning("worker_memory_over_budget", model=served.config.name, reason=str(exc))
+                return
+            for victim in victims:
+                await self._evict(victim)
 
     async def _evict(self, key: ModelKey) -> None:
         name = key.model
@@ -448,7 +512,8 @@ class Engine:
         try:
             if rerank is not None:
                 return served, await rerank.run(served.batcher.submit)
-            return served, await served.batcher.submit(request.inputs, request.output_names, request.priority)
+            return served, await served.batcher.submit(request.inputs, request.output_names, request.priority,
+                                                       deadline=request.deadline)
         except BackendFailure as exc:
             fallback = await self._fall_back(served, exc)
             return await self._infer_on(fallback, request)
@@ -473,12 +538,19 @@ class Engine:
         carries the error, then raises it with its own kind, so callers that
         stream can still send what came before.
         """
-        with self._counting_call(request.model_name):
-            # aclosing: a consumer that leaves early closes the inner stream
-            # now (its sequence and memory freed), not whenever it is collected
-            async with contextlib.aclosing(self._generate_or_fail_over(request, timeout_s)) as events:
-                async for event in events:
-                    yield event
+        if self.num_streams >= self.max_streams:
+            raise ResourceExhausted(f"daemon stream limit {self.max_streams} reached (max_streams={self.max_streams}); "
+                                    "retry later or on another node")
+        self.num_streams += 1
+        try:
+            with self._counting_call(request.model_name):
+                # aclosing: a consumer that leaves early closes the inner stream
+                # now (its sequence and memory freed), not whenever it is collected
+                async with contextlib.aclosing(self._generate_or_fail_over(request, timeout_s)) as events:
+                    async for event in events:
+                        yield event
+        finally:
+            self.num_streams -= 1
 
     async def _generate(self, request: GenerateRequest, timeout_s: float | None,
                         fail_over: bool = False) -> AsyncIterator[TokenEvent | FinalEvent]:
@@ -686,6 +758,15 @@ async def _next_event(events: AsyncIterator, deadline: float | None, timeout_s: 
         return await asyncio.wait_for(events.__anext__(), max(deadline - time.monotonic(), 0.0))
     except TimeoutError:
         raise _timed_out(timeout_s) from None
+
+
+async def _unload(loaded: LoadedModel) -> None:
+    """Unload on a thread, or on the loop for a worker model (ending its process)."""
+    unload_async = getattr(loaded, "unload_async", None)
+    if unload_async is not None:
+        await unload_async()
+    else:
+        await anyio.to_thread.run_sync(loaded.unload)
 
 
 async def _resolved(value):

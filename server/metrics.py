@@ -44,6 +44,9 @@ class Metrics:
         self.remote_failures = Counter("modeld_remote_failures", "Failed calls and probes of a remote engine (unreachable, timeout, server_error, broken_stream)", ["model", "backend", "kind"], registry=r)
         self.remote_kv_cache_usage = Gauge("modeld_remote_kv_cache_usage_ratio", "A remote engine's KV-cache usage (0-1), from its /metrics", ["model", "backend"], registry=r)
         self.remote_prefix_cache_hit_ratio = Gauge("modeld_remote_prefix_cache_hit_ratio", "A remote engine's prefix-cache hits over lookups since it started, from its /metrics", ["model", "backend"], registry=r)
+        # worker processes (server/workers)
+        self.worker_deaths = Counter("modeld_worker_deaths", "Worker processes that died (crash, signal, OOM kill), by stage: load or run", ["model", "backend", "stage"], registry=r)
+        self.worker_restarts = Counter("modeld_worker_restarts", "Workers started again for a model whose worker had died", ["model", "backend"], registry=r)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 
 
 @functools.cache
@@ -23,6 +24,9 @@ def _libc():
 
 
 def release_freed_memory() -> bool:
+    # an unloaded model's objects may sit in reference cycles (onnx.reference's
+    # graphs do): only the cycle collector frees them, so collect before trimming
+    gc.collect()
     libc = _libc()
     if libc is None:  # not glibc: nothing to trim
         return False

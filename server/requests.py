@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -22,7 +23,14 @@ class InferRequest:
     required: frozenset[Capability] = frozenset({Capability.TENSOR_INFERENCE})
     request_id: str = ""  # the call's id (x-request-id), for logs
     priority: int = 0  # Triton's levels: 1 first, larger later, 0 the default (after every level)
-    timeout_s: float | None = None  # KServe's `timeout` parameter
+    timeout_s: float | None = None  # KServe's `timeout` parameter, or the call's gRPC deadline if sooner
+    # when timeout_s runs out, on time.monotonic(); set from timeout_s at
+    # arrival, so time spent loading or queued counts against it
+    deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.deadline is None and self.timeout_s is not None:
+            object.__setattr__(self, "deadline", time.monotonic() + self.timeout_s)
 
 
 @dataclass(frozen=True)

@@ -173,8 +173,9 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-def build_app(engine, lifecycle, max_message_bytes: int | None = None) -> Starlette:
-    """Both fronts' routes behind the request-id middleware."""
+def build_app(engine, lifecycle, max_message_bytes: int | None = None, authenticator=None) -> Starlette:
+    """Both fronts' routes behind the request-id middleware (and the token
+    check when the daemon has a token file)."""
     from modeld.server.http import kserve, openai, rerank
 
     routes = [*kserve.routes(engine, lifecycle), *openai.routes(engine, lifecycle), *rerank.routes(engine)]
@@ -182,5 +183,10 @@ def build_app(engine, lifecycle, max_message_bytes: int | None = None) -> Starle
     app.state.engine = engine
     app.state.lifecycle = lifecycle
     app.state.max_message_bytes = max_message_bytes
+    if authenticator is not None:
+        from modeld.server.auth import HttpAuthMiddleware
+
+        # added first so it runs inside the request-id one: refusals carry an id too
+        app.add_middleware(HttpAuthMiddleware, authenticator=authenticator)
     app.add_middleware(RequestIdMiddleware, lifecycle=lifecycle)
     return app

@@ -37,6 +37,8 @@ _PARAMETER_CAPABILITIES = {
 # silently ignored, so it is refused instead. A rerank model also takes
 # RERANK_PARAMETERS, which the engine refuses for every other model.
 TENSOR_PARAMETERS = ("priority", "timeout", "triton_enable_empty_final_response")
+# numpy's own bound on an array's bytes, for the widest element (8 bytes)
+_MAX_ELEMENTS = np.iinfo(np.intp).max // 8
 
 
 def parameter_value(param) -> object:
@@ -109,6 +111,10 @@ def decode_tensor(tensor, raw: bytes | None) -> np.ndarray:
     shape = tuple(tensor.shape)
     if any(d < 0 for d in shape):
         raise InvalidArgument(f"input {tensor.name!r} has a negative dimension in shape {list(shape)}")
+    # a zero dimension makes the element count 0 whatever the others say, so
+    # the size checks below pass, and numpy then refuses the shape itself
+    if math.prod(d for d in shape if d) > _MAX_ELEMENTS:
+        raise InvalidArgument(f"input {tensor.name!r} has shape {list(shape)}, larger than any tensor can be")
     count = math.prod(shape)
     if raw is not None:
         return _decode_raw(tensor.name, datatype, shape, count, raw)

@@ -10,6 +10,8 @@ from modeld.gen import generation_pb2_grpc as pb_grpc
 from modeld.server.engine import Engine
 from modeld.server.lifecycle import Lifecycle
 from modeld.backends.errors import InvalidArgument
+from modeld.server.services.limits import call_timeout_s, check_request_size
+from modeld.server.services.parsing import request_nbytes
 from modeld.server.services.status import current_request_id, grpc_errors
 
 _SPECULATIVE = {
@@ -72,21 +74,28 @@ def event_to_proto(event: TokenEvent | FinalEvent) -> pb.GenerateResponse:
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, lifecycle: Lifecycle) -> None:
+    def __init__(self, engine: Engine, lifecycle: Lifecycle, max_request_bytes: int | None = None) -> None:
         self.engine = engine
         self.lifecycle = lifecycle
+        self.max_request_bytes = max_request_bytes  # a model's cap unless its [limits] sets one
 
     @grpc_errors
     async def Generate(self, request, context):
-        # When the client cancels, grpc cancels this generator; leaving the
-        # engine's iterator then drops the sequence and frees its KV slot.
-        async for event in self.engine.generate(request_from_proto(request)):
+        # When the client cancels or disconnects, grpc cancels this generator;
+        # leaving the engine's iterator then drops the sequence and frees its
+        # KV at the loop's next step. The call's deadline is the generation's
+        # timeout, so a sequence past it leaves the batch the same way.
+        timeout_s = call_timeout_s(context)
+        check_request_size(self.engine, request.model, request_nbytes(), self.max_request_bytes)
+        async for event in self.engine.generate(request_from_proto(request), timeout_s):
             yield event_to_proto(event)
 
     @grpc_errors
     async def Tokenize(self, request, context):
+        check_request_size(self.engine, request.model, request_nbytes(), self.max_request_bytes)
         return pb.TokenizeResponse(token_ids=await self.engine.tokenize(request.model, request.text))
 
     @grpc_errors
     async def Detokenize(self, request, context):
+        check_request_size(self.engine, request.model, request_nbytes(), self.max_request_bytes)
         return pb.DetokenizeResponse(text=await self.engine.detokenize(request.model, list(request.token_ids)))

@@ -6,6 +6,7 @@ Thin by design: decode, delegate to the engine, encode.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.metadata
 
 import structlog
@@ -19,6 +20,8 @@ from modeld.server.lifecycle import Lifecycle
 from modeld.server.requests import ModelState
 from modeld.server.services.convert import parameter_value, request_from_proto, response_to_proto
 from modeld.server.services.kserve_text import complete_text, text_request, text_response
+from modeld.server.services.limits import call_timeout_s, check_request_size, sooner
+from modeld.server.services.parsing import UndecodableRequest, parse_request, raw_request_stream, request_nbytes
 from modeld.server.services.status import count_failure, current_request_id, grpc_errors
 from modeld.server.stats import Duration, ModelStats
 
@@ -30,9 +33,10 @@ EXTENSIONS = ["model_repository", "model_repository(unload_dependents)", "statis
 
 
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, engine: Engine, lifecycle: Lifecycle) -> None:
+    def __init__(self, engine: Engine, lifecycle: Lifecycle, max_request_bytes: int | None = None) -> None:
         self.engine = engine
         self.lifecycle = lifecycle
+        self.max_request_bytes = max_request_bytes  # a model's cap unless its [limits] sets one
 
     @grpc_errors
     async def ServerLive(self, request, context):
@@ -65,16 +69,18 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     @grpc_errors
     async def ModelInfer(self, request, context):
+        grpc_timeout_s = call_timeout_s(context)
+        check_request_size(self.engine, request.model_name, request_nbytes(), self.max_request_bytes)
         if await self._is_language_model(request):
-            return await complete_text(self.engine, request, current_request_id())
-        result = await self.engine.infer(request_from_proto(request, current_request_id()))
-        return response_to_proto(result)
+            return await complete_text(self.engine, request, current_request_id(), grpc_timeout_s)
+        return response_to_proto(await self.engine.infer(_with_timeout(
+            request_from_proto(request, current_request_id()), grpc_timeout_s)))
 
     async def _is_language_model(self, request) -> bool:
         served = await self.engine.ensure_loaded(request.model_name, request.model_version)
         return served.is_generative
 
-    async def _stream_text(self, request, put) -> None:
+    async def _stream_text(self, request, put, grpc_timeout_s: float | None) -> None:
         """One response per token chunk; the last carries triton_final_response.
 
         Each chunk is held back one event so the last text chunk can carry
@@ -84,7 +90,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         empty_final = _wants_empty_final(request)
         pending = None
         generation, timeout_s = text_request(request, current_request_id())
-        async for event in self.engine.generate(generation, timeout_s):
+        async for event in self.engine.generate(generation, sooner(timeout_s, grpc_timeout_s)):
             if isinstance(event, FinalEvent):
                 if empty_final or pending is None:
                     await put(_flagged(text_response(request, None, event), True))
@@ -98,6 +104,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 await put(_flagged(text_response(request, pending.text, tokens=[pending]), False))
             pending = event
 
+    @raw_request_stream
     @grpc_errors
     async def ModelStreamInfer(self, request_iterator, context):
         """Requests on one stream run concurrently; each gets its own answers.
@@ -105,8 +112,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         A failed request becomes an error_message on the stream, which stays
         open, as tritonclient expects; the message starts with the status
         the same failure gets from ModelInfer, and is counted the same way.
-        Language models answer with one response per token chunk. The
-        stream's request id covers every request on it.
+        So does a message that is no valid ModelInferRequest (the stream
+        reads its messages as bytes and parses each itself). Language
+        models answer with one response per token chunk. The stream's
+        request id covers every request on it; the call's deadline covers
+        every request on it as well.
         """
         responses: asyncio.Queue = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
@@ -121,13 +131,15 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 error_message=f"{kind.value}: {message}",
                 infer_response=pb.ModelInferResponse(model_name=msg.model_name, id=msg.id)))
 
-        async def run_one(msg: pb.ModelInferRequest) -> None:
+        async def run_one(msg: pb.ModelInferRequest, nbytes: int) -> None:
             structlog.contextvars.bind_contextvars(request_id=request_id, client_request_id=msg.id)
             try:
+                grpc_timeout_s = call_timeout_s(context)
+                check_request_size(self.engine, msg.model_name, nbytes, self.max_request_bytes)
                 if await self._is_language_model(msg):
-                    await self._stream_text(msg, put)
+                    await self._stream_text(msg, put, grpc_timeout_s)
                     return
-                result = await self.engine.infer(request_from_proto(msg, request_id))
+                result = await self.engine.infer(_with_timeout(request_from_proto(msg, request_id), grpc_timeout_s))
                 if _wants_empty_final(msg):
                     await put(_flagged(response_to_proto(result), False))
                     await put(_flagged(pb.ModelInferResponse(model_name=msg.model_name, id=msg.id), True))
@@ -142,11 +154,17 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 await fail(msg, ErrorKind.INTERNAL, f"internal error (request id {request_id}); see the daemon log")
 
         async def read_requests() -> None:
-            async for msg in request_iterator:
+            async for data in request_iterator:
+                try:
+                    msg = parse_request(pb.ModelInferRequest.FromString, data)
+                except UndecodableRequest as exc:
+                    log.info("stream_request_failed", status=exc.kind.value, reason=str(exc))
+                    await fail(pb.ModelInferRequest(), exc.kind, str(exc))
+                    continue
                 if self.lifecycle.is_draining:
                     await fail(msg, ErrorKind.UNAVAILABLE, "the daemon is shutting down")
                     continue
-                task = asyncio.get_running_loop().create_task(run_one(msg))
+                task = asyncio.get_running_loop().create_task(run_one(msg, len(data)))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             while tasks:
@@ -209,6 +227,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelUnload(self, request, context):
         await self.engine.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
+
+
+def _with_timeout(request, grpc_timeout_s: float | None):
+    """The request with the call's gRPC deadline as its timeout where that is sooner."""
+    timeout_s = sooner(request.timeout_s, grpc_timeout_s)
+    if timeout_s == request.timeout_s:
+        return request
+    return dataclasses.replace(request, timeout_s=timeout_s, deadline=None)
 
 
 def _wants_empty_final(request: pb.ModelInferRequest) -> bool:

@@ -116,11 +116,14 @@ def add_usage(response: pb.ModelInferResponse, usage: Usage) -> None:
     response.parameters["time_to_first_token_s"].double_param = usage.time_to_first_token_s
 
 
-async def complete_text(engine, msg: pb.ModelInferRequest, request_id: str) -> pb.ModelInferResponse:
+async def complete_text(engine, msg: pb.ModelInferRequest, request_id: str,
+                        call_timeout_s: float | None = None) -> pb.ModelInferResponse:
     """The whole completion in one response (ModelInfer on gRPC and REST); a
     generation that fails raises its own error from the engine."""
     chunks, tokens, final = [], [], None
     generation, timeout_s = text_request(msg, request_id)
+    if call_timeout_s is not None:  # the call's own deadline (gRPC), where it is sooner
+        timeout_s = call_timeout_s if timeout_s is None else min(timeout_s, call_timeout_s)
     async for event in engine.generate(generation, timeout_s):
         if isinstance(event, FinalEvent):
             final = event

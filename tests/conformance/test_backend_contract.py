@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from capability_table import record
+from capability_table import record as _record
 
 import onnx_fixtures
 from modeld.backends.base import Capability
@@ -46,6 +46,29 @@ GENERATIVE_BACKENDS = [n for n in RUNNABLE if Capability.GENERATION in REGISTRY.
 GGUF = ROOT / "models/smollm2/model.gguf"
 # onnx-genai serves the same weights as a folder from onnxruntime-genai's builder (`modeld prepare`)
 OG_MODEL = ROOT / "models/smollm2-onnx"
+# The same contract through a worker process (isolation = "process", server/workers)
+# for one tensor and one LLM backend: the proxy must be indistinguishable.
+IN_WORKER = ("onnx", "llamacpp")
+TENSOR_CASES = [pytest.param(b, "in-process", id=b) for b in TENSOR_BACKENDS] + [
+    pytest.param(b, "process", id=f"{b}-process") for b in IN_WORKER if b in TENSOR_BACKENDS]
+GENERATIVE_CASES = [pytest.param(b, "in-process", id=b) for b in GENERATIVE_BACKENDS] + [
+    pytest.param(b, "process", id=f"{b}-process") for b in IN_WORKER if b in GENERATIVE_BACKENDS]
+_row_suffix = ""
+
+
+def record(backend: str, key: str, value: str) -> None:
+    """The capability table's row; a worker-process run gets a row of its own."""
+    _record(backend + _row_suffix, key, value)
+
+
+@pytest.fixture(autouse=True)
+def _isolation_row(request):
+    global _row_suffix
+    params = getattr(request.node, "callspec", None)
+    isolation = params.params.get("isolation", "in-process") if params else "in-process"
+    _row_suffix = "" if isolation == "in-process" else f" ({isolation})"
+    yield
+    _row_suffix = ""
 
 
 def test_every_registered_backend_is_accounted_for():
@@ -84,7 +107,9 @@ def _llm_bytes(backend: str) -> int:
     return GGUF.stat().st_size
 
 
-def _inline(engine: Engine, name: str, backend: str, model: bytes, **config):
+def _inline(engine: Engine, name: str, backend: str, model: bytes, isolation: str = "in-process", **config):
+    if isolation != "in-process":
+        config = {**config, "isolation": isolation}
     if backend == "onnx-genai":
         artifact = _og_artifact()
         folder = (OG_MODEL / artifact).parent
@@ -96,6 +121,8 @@ def _inline(engine: Engine, name: str, backend: str, model: bytes, **config):
         body = {"backends": [backend], "format": "gguf", "artifact": "model.gguf",
                 "llamacpp": {"n_ctx": 4096, "n_slots": 4, "context_length": 1024},
                 "torch": {"num_blocks": 128, "context_length": 1024} | config.get("torch", {})}
+        if "isolation" in config:
+            body["isolation"] = config["isolation"]
         return engine.repository.add_inline(name, json.dumps(body), {"file:model.gguf": GGUF.read_bytes()})
     body = {"backends": [backend], "batching": {"max_batch_size": 16, "max_queue_delay_us": 2000}} | config
     files = {"file:model.onnx": model}
@@ -129,13 +156,13 @@ def _rss() -> int:
     raise RuntimeError
 
 
-@pytest.mark.parametrize("backend", TENSOR_BACKENDS)
-async def test_load_reports_bytes_and_unload_frees_them(backend, tmp_path):
+@pytest.mark.parametrize("backend,isolation", TENSOR_CASES)
+async def test_load_reports_bytes_and_unload_frees_them(backend, isolation, tmp_path):
     engine = _engine(tmp_path)
     model = onnx_fixtures.add_fp32(10_000_000)
     release_freed_memory()
     before = _rss()
-    served = await engine.load("big", _inline(engine, "big", backend, model))
+    served = await engine.load("big", _inline(engine, "big", backend, model, isolation))
     assert served.backend.name == backend
     assert served.loaded.nbytes >= len(model) and engine.memory.used == served.loaded.nbytes
     loaded_rss = _rss()
@@ -148,10 +175,10 @@ async def test_load_reports_bytes_and_unload_frees_them(backend, tmp_path):
     assert engine.served("big") is None
 
 
-@pytest.mark.parametrize("backend", TENSOR_BACKENDS)
-async def test_tensor_inference_and_dynamic_batching_match_declared_capabilities(backend, tmp_path):
+@pytest.mark.parametrize("backend,isolation", TENSOR_CASES)
+async def test_tensor_inference_and_dynamic_batching_match_declared_capabilities(backend, isolation, tmp_path):
     engine = _engine(tmp_path)
-    await engine.load("double", _inline(engine, "double", backend, onnx_fixtures.double_int64()))
+    await engine.load("double", _inline(engine, "double", backend, onnx_fixtures.double_int64(), isolation))
     rows = [np.array([[i, -i, 2 * i]], dtype=np.int64) for i in range(12)]
     results = await asyncio.gather(*(engine.infer(InferRequest("double", {"x": r})) for r in rows))
     for row, result in zip(rows, results):
@@ -247,11 +274,11 @@ async def test_missing_capabilities_fail_closed_with_the_reason(backend, tmp_pat
     await engine.stop()
 
 
-@pytest.mark.parametrize("backend", TENSOR_BACKENDS)
-async def test_one_bad_request_in_a_batch_fails_alone(backend, tmp_path):
+@pytest.mark.parametrize("backend,isolation", TENSOR_CASES)
+async def test_one_bad_request_in_a_batch_fails_alone(backend, isolation, tmp_path):
     engine = _engine(tmp_path)
     text = {"tokenizer": "tokenizer.json", "input": "text", "max_length": 64}
-    await engine.load("counter", _inline(engine, "counter", backend, _token_counter(), text=text))
+    await engine.load("counter", _inline(engine, "counter", backend, _token_counter(), isolation, text=text))
     sentences = [b"one two three", b"\xff\xfe not utf-8", b"hello", b"a b c d e f"]
     requests = [InferRequest("counter", {"text": np.array([s], dtype=object)}) for s in sentences]
     outcomes = await asyncio.gather(*(engine.infer(r) for r in requests), return_exceptions=True)
@@ -262,10 +289,10 @@ async def test_one_bad_request_in_a_batch_fails_alone(backend, tmp_path):
     await engine.stop()
 
 
-@pytest.mark.parametrize("backend", TENSOR_BACKENDS)
-async def test_cancelled_request_never_runs(backend, tmp_path):
+@pytest.mark.parametrize("backend,isolation", TENSOR_CASES)
+async def test_cancelled_request_never_runs(backend, isolation, tmp_path):
     engine = _engine(tmp_path)
-    await engine.load("double", _inline(engine, "double", backend, onnx_fixtures.double_int64()))
+    await engine.load("double", _inline(engine, "double", backend, onnx_fixtures.double_int64(), isolation))
     tasks = [asyncio.create_task(engine.infer(InferRequest("double", {"x": np.full((1, 3), i, np.int64)})))
              for i in range(10)]
     await asyncio.sleep(0)  # every request is queued; the batch has not formed yet
@@ -351,10 +378,10 @@ async def _check_logprobs(engine: Engine, backend: str) -> str:
     return f"yes: 6 greedy tokens' logprobs and runners-up within {np.abs(got - want).max():.1e} of {reference}"
 
 
-@pytest.mark.parametrize("backend", GENERATIVE_BACKENDS)
-async def test_generative_backend_contract(backend, tmp_path):
+@pytest.mark.parametrize("backend,isolation", GENERATIVE_CASES)
+async def test_generative_backend_contract(backend, isolation, tmp_path):
     engine = _engine(tmp_path)
-    served = await engine.load("llm", _inline(engine, "llm", backend, b""))
+    served = await engine.load("llm", _inline(engine, "llm", backend, b"", isolation))
     assert served.loaded.nbytes >= _llm_bytes(backend) and engine.memory.used == served.loaded.nbytes
     record(backend, "load/unload bytes", f"reported {served.loaded.nbytes / 1e6:.0f} MB (weights + KV cache)")
     caps = REGISTRY.get(backend).capabilities

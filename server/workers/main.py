@@ -1,0 +1,219 @@
+"""The worker process: `python -m modeld.server.workers.main --fd N --model NAME`.
+
+Loads one model with its backend's own `load` (the same code an in-process
+model runs) and serves the daemon's requests over the inherited socket until
+told to exit or the daemon goes away. Tensor batches run inline, one at a
+time (the daemon's batcher sends one at a time); generation runs in the
+backend's own loop and streams its events back, and a cancel from the
+daemon closes the stream, which frees the sequence at the next step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import structlog
+
+from modeld.backends.base import GenerativeModel
+from modeld.backends.errors import BackendFailure, LoadFailed, ModeldError
+from modeld.server.workers.frames import FrameProtocol, connect
+
+log = structlog.get_logger("modeld.worker")
+
+# Test-only: "<model>:abort" makes that model's worker abort while loading,
+# as a runtime that crashes on a bad file would; "<model>:hang" makes it
+# never finish loading (tests/integration/test_workers.py).
+TEST_ON_LOAD_ENV = "MODELD_WORKER_TEST_ON_LOAD"
+
+
+async def _test_hook(model: str) -> None:
+    target, _, action = os.environ.get(TEST_ON_LOAD_ENV, "").rpartition(":")
+    if target != model:
+        return
+    if action == "abort":
+        os.abort()
+    if action == "hang":
+        await asyncio.Event().wait()
+
+
+def error_reply(rid: int, exc: BaseException) -> tuple:
+    if isinstance(exc, ModeldError):
+        return ("error", rid, type(exc).__name__, exc.kind.value, str(exc))
+    # a bug in a backend: in-process it would answer INTERNAL too
+    return ("error", rid, "Exception", "INTERNAL", f"{type(exc).__name__}: {exc}")
+
+
+class _ForwardingObserver:
+    """The generation loop's figures, sent to the daemon's GenerationMetrics,
+    with the loop's step counts (the daemon mirrors them for tests)."""
+
+    def __init__(self, out: FrameProtocol, loop) -> None:
+        self.out, self.loop = out, loop
+
+    def _counts(self) -> tuple[int, int, int]:
+        c = self.loop.step_counts
+        return c.steps, c.shared_steps, c.most_sequences
+
+    def on_step(self, num_running: int, num_waiting: int, kv_used: int, kv_capacity: int) -> None:
+        self.out.send(("obs", "on_step", (num_running, num_waiting, kv_used, kv_capacity), self._counts()))
+
+    def on_tokens(self, count: int, first_token_s, inter_token_s) -> None:
+        self.out.send(("obs", "on_tokens", (count, first_token_s, inter_token_s), None))
+
+    def on_finish(self, usage, reason) -> None:
+        self.out.send(("obs", "on_finish", (usage, reason), None))
+
+
+class Worker:
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.out = FrameProtocol(self.dispatch, self.channel_lost)
+        self.loaded = None
+        self.streams: dict[int, asyncio.Task] = {}
+        self.done = asyncio.Event()
+
+    def channel_lost(self, exc: BaseException | None) -> None:
+        if not self.done.is_set():
+            log.info("worker_daemon_gone", model=self.model, reason=str(exc or "end of stream"))
+            self.done.set()  # the daemon exited or closed the channel: nothing left to serve
+
+    def dispatch(self, message: tuple) -> None:
+        op, rid = message[0], message[1]
+        if op == "execute":
+            # inline, on this thread: the daemon sends one batch at a time, and
+            # a thread hop would only add latency
+            try:
+                reply = ("ok", rid, self.loaded.execute(message[2], message[3]))
+            except Exception as exc:  # noqa: BLE001 - sent back as its status
+                reply = error_reply(rid, exc)
+            self.out.send_now(reply)
+        elif op == "generate":
+            self.streams[rid] = asyncio.get_running_loop().create_task(self.generate(rid, message[2]))
+        elif op == "cancel":
+            task = self.streams.pop(rid, None)
+            if task is not None:
+                task.cancel()
+        else:
+            asyncio.get_running_loop().create_task(self.call(op, rid, message[2:]))
+
+    async def call(self, op: str, rid: int, args: tuple) -> None:
+        try:
+            value = await getattr(self, f"op_{op}")(*args)
+            reply = ("ok", rid, value)
+        except Exception as exc:  # noqa: BLE001 - sent back as its status
+            log.warning("worker_call_failed", model=self.model, op=op, reason=str(exc))
+            reply = error_reply(rid, exc)
+        if op == "exit":
+            self.done.set()  # before the close: its end of stream is expected, not news
+            self.out.send_now(reply)
+            await self.out.close()
+            return
+        self.out.send(reply)
+
+    async def generate(self, rid: int, request) -> None:
+        try:
+            async with contextlib.aclosing(self.loaded.generate(request)) as events:
+                async for event in events:
+                    self.out.send(("event", rid, event))
+        except asyncio.CancelledError:
+            pass  # the daemon's caller left; leaving the stream freed the sequence
+        except Exception as exc:  # noqa: BLE001 - sent back as its status
+            self.out.send(error_reply(rid, exc))
+        finally:
+            self.streams.pop(rid, None)
+
+    # -- operations --------------------------------------------------------------
+
+    async def op_load(self, backend_name: str, config, model_dir: str) -> dict:
+        await _test_hook(self.model)
+        from modeld.backends.registry import BackendRegistry
+
+        backend = BackendRegistry([backend_name]).get(backend_name)
+        try:
+            self.loaded = await asyncio.to_thread(backend.load, config, Path(model_dir))
+        except ModeldError:
+            raise
+        except Exception as exc:  # a backend's unexpected fault is still a failed load
+            raise LoadFailed(f"{type(exc).__name__}: {exc}") from exc
+        generative = isinstance(self.loaded, GenerativeModel)
+        if generative:
+            self.loaded.set_observer(_ForwardingObserver(self.out, self.loaded.loop))
+        log.info("worker_model_loaded", model=self.model, backend=backend_name, nbytes=self.loaded.nbytes)
+        return {"nbytes": self.loaded.nbytes, "inputs": self.loaded.inputs, "outputs": self.loaded.outputs,
+                "generative": generative}
+
+    async def op_start(self) -> None:
+        await self.loaded.start()
+
+    async def op_stop(self) -> None:
+        await self.loaded.stop()
+
+    async def op_tokenize(self, text: str) -> list[int]:
+        return self.loaded.tokenize(text)
+
+    async def op_detokenize(self, token_ids: list[int]) -> str:
+        return self.loaded.detokenize(token_ids)
+
+    async def op_exit(self) -> None:
+        """Unload and end: the process's memory goes back with it."""
+        for task in list(self.streams.values()):
+            task.cancel()
+        if self.loaded is not None:
+            try:
+                await asyncio.to_thread(self.loaded.unload)
+            except Exception as exc:  # noqa: BLE001 - the process ends anyway
+                raise BackendFailure(f"unload failed: {exc}") from exc
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this worker if the daemon dies, even while a load hangs."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the end of the socket still ends an idle worker
+    if os.getppid() == 1:
+        os._exit(1)  # the daemon died before prctl took effect
+
+
+async def _amain(fd: int, model: str) -> None:
+    worker = Worker(model)
+    await connect(worker.out, socket.socket(fileno=fd))
+    await worker.done.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="modeld-worker")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-format", default="json")
+    args = parser.parse_args(argv)
+    _die_with_parent()
+    import setproctitle
+
+    # `ps` and /proc/<pid>/cmdline say which model a worker serves
+    setproctitle.setproctitle(f"modeld-worker {args.model}")
+    from modeld.server.logging import configure_logging
+
+    configure_logging(args.log_level, args.log_format)
+    structlog.contextvars.bind_contextvars(worker_pid=os.getpid())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C to the daemon's group: the daemon decides
+    asyncio.run(_amain(args.fd, args.model))
+    # os._exit: skip interpreter teardown (native runtimes' atexit handlers
+    # can take seconds); the model is already unloaded
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

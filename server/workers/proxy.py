@@ -1,0 +1,407 @@
+"""The engine's side of a worker process: a stand-in for the loaded model.
+
+`WorkerTensorModel` and `WorkerGenerativeModel` implement the contract the
+engine and the batcher use (execute / generate / tokenize / start / stop /
+unload, `nbytes`, `inputs`, `outputs`) by sending requests to the worker and
+awaiting its answers, multiplexed by request id over one socket. When the
+worker dies every call in flight fails with UNAVAILABLE naming the model,
+the pid and the signal, and the engine is told (`on_death`) so it can drop
+the model; the next request loads it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+import structlog
+
+from modeld.backends.base import GenerativeModel, LoadedModel
+from modeld.backends.errors import (
+    BackendFailure, ErrorKind, LoadFailed, ModeldError, Unavailable, error_for,
+)
+from modeld.backends.generation.params import FinalEvent, GenerateRequest, TokenEvent
+from modeld.server.workers.frames import FrameProtocol, connect
+
+log = structlog.get_logger("modeld.workers")
+
+_ERROR_CLASSES = {"LoadFailed": LoadFailed, "BackendFailure": BackendFailure}
+
+
+def process_rss(pid: int) -> int:
+    """Resident bytes of process `pid` (VmRSS), 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def own_rss() -> int:
+    """This process's resident bytes (the daemon's baseline, logged at start)."""
+    return process_rss(os.getpid())
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "its channel closed"
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+class WorkerCrashedOnLoad(LoadFailed):
+    """The worker died while loading (a runtime that aborts on a bad file):
+    a failed load, and a death the restart backoff counts."""
+
+
+def _remote_error(name: str, kind: str, message: str) -> ModeldError:
+    cls = _ERROR_CLASSES.get(name)
+    if cls is not None:
+        return cls(message)
+    try:
+        return error_for(ErrorKind(kind), message)
+    except ValueError:
+        return error_for(ErrorKind.INTERNAL, message)
+
+
+class WorkerProcess:
+    """One worker: the process, its socket, and the calls in flight on it."""
+
+    def __init__(self, model: str, proc: asyncio.subprocess.Process) -> None:
+        self.model = model
+        self.proc = proc
+        self.pid = proc.pid
+        self.started = time.monotonic()
+        self._out = FrameProtocol(self._dispatch, self._lost)
+        self._ids = itertools.count(1)
+        self._calls: dict[int, asyncio.Future] = {}
+        self._streams: dict[int, asyncio.Queue] = {}
+        self.death: Unavailable | None = None  # set once the worker is gone
+        self.exiting = False  # we asked it to end: its end is no death
+        self.on_death: Callable[[str], None] | None = None
+        self.on_observe: Callable[[str, tuple, tuple | None], None] | None = None
+        self._ended_task: asyncio.Task | None = None
+
+    @classmethod
+    async def spawn(cls, model: str, log_level: str = "info", log_format: str = "json") -> WorkerProcess:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "modeld.server.workers.main", "--fd", str(theirs.fileno()),
+                "--model", model, "--log-level", log_level, "--log-format", log_format,
+                pass_fds=(theirs.fileno(),), stdin=asyncio.subprocess.DEVNULL)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()  # the child holds its own copy; ours must go so EOF means it died
+        worker = cls(model, proc)
+        await connect(worker._out, ours)
+        log.info("worker_started", model=model, pid=proc.pid)
+        return worker
+
+    @property
+    def is_alive(self) -> bool:
+        return self.death is None
+
+    # -- requests ------------------------------------------------------------------
+
+    async def _raise_death(self):
+        """The channel is closed: wait for the exit status, raise why."""
+        if self._ended_task is None:
+            self._lost(None)
+        await asyncio.shield(self._ended_task)
+        raise self.death
+
+    async def call(self, op: str, *args, urgent: bool = False):
+        if self.death is not None or self._out.closed:
+            await self._raise_death()
+        rid = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[rid] = future
+        try:
+            message = (op, rid, *args)
+            self._out.send_now(message) if urgent else self._out.send(message)
+            return await future
+        finally:
+            self._calls.pop(rid, None)
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinalEvent]:
+        if self.death is not None or self._out.closed:
+            await self._raise_death()
+        rid = next(self._ids)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = queue
+        finished = False
+        try:
+            self._out.send(("generate", rid, request))
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if isinstance(item, FinalEvent):
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished and self.death is None:
+                try:
+                    self._out.send(("cancel", rid))  # the caller left: free the sequence in the worker
+                except ConnectionError:
+                    pass
+
+    # -- the reader ------------------------------------------------------------------
+
+    def _lost(self, exc: BaseException | None) -> None:
+        """The socket closed: the worker exited, was killed, or broke the stream."""
+        if exc is not None:
+            log.warning("worker_channel_lost", model=self.model, pid=self.pid, reason=str(exc))
+        if self._ended_task is None:
+            self._ended_task = asyncio.get_running_loop().create_task(self._ended())
+
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "ok":
+            self._settle(message[1], result=message[2])
+        elif kind == "error":
+            error = _remote_error(*message[2:5])
+            if message[1] in self._streams:
+                self._streams[message[1]].put_nowait(error)
+            else:
+                self._settle(message[1], error=error)
+        elif kind == "event":
+            queue = self._streams.get(message[1])
+            if queue is not None:
+                queue.put_nowait(message[2])
+        elif kind == "obs" and self.on_observe is not None:
+            try:
+                self.on_observe(message[1], message[2], message[3])
+            except Exception:  # noqa: BLE001 - statistics must never stop the channel
+                log.exception("worker_observer_failed", model=self.model)
+
+    def _settle(self, rid: int, result=None, error: BaseException | None = None) -> None:
+        future = self._calls.get(rid)
+        if future is None or future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    async def _ended(self) -> None:
+        if self._out.transport is not None:
+            self._out.transport.abort()
+        try:
+            returncode = await asyncio.wait_for(self.proc.wait(), 5.0)
+        except TimeoutError:  # its socket broke but it lives on: it is of no use
+            self.proc.kill()
+            returncode = await self.proc.wait()
+        how = describe_exit(returncode)
+        if self.exiting:
+            self.death = Unavailable(f"the worker for model {self.model!r} was stopped; retry and it is loaded again")
+        else:
+            self.death = Unavailable(f"worker for model {self.model!r} (pid {self.pid}) died: {how}; "
+                                     "its calls in flight failed, and the next request loads it again")
+            log.error("worker_died", model=self.model, pid=self.pid, exit=how,
+                      uptime_s=round(time.monotonic() - self.started, 3),
+                      calls_in_flight=len(self._calls) + len(self._streams))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(self.death)
+        for queue in self._streams.values():
+            queue.put_nowait(self.death)
+        if not self.exiting and self.on_death is not None:
+            self.on_death(how)
+
+    # -- ending ----------------------------------------------------------------------
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Ask the worker to unload and exit; kill it if it does not in time."""
+        if self.death is None:
+            self.exiting = True
+            try:
+                await asyncio.wait_for(self.call("exit"), timeout_s)
+            except (ModeldError, TimeoutError) as exc:
+                log.warning("worker_exit_failed", model=self.model, pid=self.pid, reason=str(exc))
+        await self.kill()
+
+    async def kill(self) -> None:
+        self.exiting = self.exiting or self.death is None
+        if self.proc.returncode is None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()), 5.0)
+            except TimeoutError:
+                self.proc.kill()
+        await self.proc.wait()
+        if self._ended_task is None:  # its socket may not have reported the end yet
+            self._lost(None)
+        await asyncio.gather(self._ended_task, return_exceptions=True)
+
+
+class _WorkerModelMixin:
+    """What both stand-ins share: the worker, measured memory, ending."""
+
+    worker: WorkerProcess
+    backend_nbytes: int
+
+    def _init_worker(self, worker: WorkerProcess, info: dict) -> None:
+        self.worker = worker
+        self.inputs, self.outputs = info["inputs"], info["outputs"]
+        self.backend_nbytes = info["nbytes"]
+        self.nbytes = self.measure()
+
+    @property
+    def pid(self) -> int:
+        return self.worker.pid
+
+    def measure(self) -> int:
+        """The worker's resident memory, and never less than the backend's own
+        figure: mapped weights become resident on first use, and the budget
+        must hold for when they are."""
+        return max(process_rss(self.worker.pid), self.backend_nbytes)
+
+    def watch_memory(self, on_change: Callable[[int], None], interval_s: float) -> None:
+        """Re-measure every `interval_s` while the worker lives; report changes
+        of more than 1% (a KV cache filling, mapped weights paged in)."""
+        async def watch() -> None:
+            while self.worker.is_alive:
+                await asyncio.sleep(interval_s)
+                nbytes = self.measure() if self.worker.is_alive else 0
+                if nbytes and abs(nbytes - self.nbytes) > self.nbytes // 100:
+                    self.nbytes = nbytes
+                    on_change(nbytes)
+
+        self._watch = asyncio.get_running_loop().create_task(watch())
+
+    def unload(self) -> None:
+        raise RuntimeError("a worker model is unloaded with unload_async on the event loop")
+
+    async def unload_async(self) -> None:
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.cancel()
+        await self.worker.shutdown()
+
+
+class WorkerTensorModel(_WorkerModelMixin, LoadedModel):
+    def __init__(self, worker: WorkerProcess, info: dict) -> None:
+        self._init_worker(worker, info)
+
+    def execute(self, inputs, output_names):
+        raise RuntimeError("a worker model runs batches with execute_async on the event loop")
+
+    async def execute_async(self, inputs, output_names):
+        return await self.worker.call("execute", inputs, output_names, urgent=True)
+
+
+class _SchedulerMirror:
+    """The worker's scheduler as its last step report saw it (for tests and stats)."""
+
+    def __init__(self) -> None:
+        self.num_running = 0
+        self.num_waiting = 0
+
+    @property
+    def running(self) -> list[None]:
+        return [None] * self.num_running
+
+    @property
+    def waiting(self) -> list[None]:
+        return [None] * self.num_waiting
+
+
+@dataclass
+class StepCountsMirror:
+    """The worker loop's StepCounts, as of its last step report (the same
+    fields: the conformance suite reads them through `loop.step_counts`)."""
+
+    steps: int = 0
+    shared_steps: int = 0
+    most_sequences: int = 0
+
+
+@dataclass
+class _LoopMirror:
+    step_counts: StepCountsMirror
+    observer: object = None
+
+
+class WorkerGenerativeModel(_WorkerModelMixin, GenerativeModel):
+    def __init__(self, worker: WorkerProcess, info: dict) -> None:
+        self._init_worker(worker, info)
+        self.loop = _LoopMirror(StepCountsMirror())
+        self.scheduler = _SchedulerMirror()
+        self.runner = None
+        worker.on_observe = self._observe
+
+    def _observe(self, method: str, args: tuple, counts: tuple | None) -> None:
+        if method == "on_step":
+            self.scheduler.num_running, self.scheduler.num_waiting = args[0], args[1]
+            c = self.loop.step_counts
+            c.steps, c.shared_steps, c.most_sequences = counts
+        observer = self.loop.observer
+        if observer is not None:
+            getattr(observer, method)(*args)
+
+    def set_observer(self, observer) -> None:
+        self.loop.observer = observer
+
+    async def start(self) -> None:
+        await self.worker.call("start")
+
+    async def stop(self) -> None:
+        if self.worker.is_alive:
+            try:
+                await self.worker.call("stop")
+            except Unavailable:
+                pass  # it died meanwhile: nothing left to stop
+
+    def generate(self, request: GenerateRequest):
+        return self.worker.stream(request)
+
+    def tokenize(self, text: str):
+        return self.worker.call("tokenize", text)
+
+    def detokenize(self, token_ids: list[int]):
+        return self.worker.call("detokenize", list(token_ids))
+
+
+async def load_in_worker(backend_name: str, config, model_dir: Path, timeout_s: float,
+                         log_level: str = "info", log_format: str = "json") -> WorkerTensorModel | WorkerGenerativeModel:
+    """Start a worker for `config.name` and load the model in it.
+
+    LoadFailed when the backend refuses the model, the worker dies while
+    loading, or the load takes longer than `timeout_s` (the worker is killed).
+    """
+    worker = await WorkerProcess.spawn(config.name, log_level, log_format)
+    try:
+        info = await asyncio.wait_for(worker.call("load", backend_name, config, str(model_dir)), timeout_s)
+    except TimeoutError:
+        worker.exiting = True
+        worker.proc.kill()
+        await worker.kill()
+        raise LoadFailed(f"the worker for model {config.name!r} (pid {worker.pid}) did not finish loading within "
+                         f"{timeout_s:g} s and was killed; raise worker_load_timeout_s if the model is that slow "
+                         "to load") from None
+    except Unavailable as exc:  # it died while loading
+        raise WorkerCrashedOnLoad(f"worker for model {config.name!r} (pid {worker.pid}) died while loading: "
+                         f"{describe_exit(worker.proc.returncode)}") from exc
+    except BaseException:
+        await worker.shutdown(5.0)
+        raise
+    model_cls = WorkerGenerativeModel if info["generative"] else WorkerTensorModel
+    return model_cls(worker, info)

@@ -1,0 +1,143 @@
+"""Load/evict churn under a memory budget too small for the models it serves.
+
+Tensor models on the onnx and reference backends (graphs built in code,
+each with a weight vector that sizes it) take turns: every request
+lazily loads its model, and the budget holds only a few, so each load
+evicts the least recently used idle one. Meanwhile one model has a
+request in flight the whole time (its batch waits for company that only
+comes at the end): it must never be evicted.
+
+RSS: the daemon's resident memory (/proc/<pid>/status VmRSS) is sampled
+every 20 ms throughout. What the budget governs is model memory, so the
+limit is checked against a baseline: the daemon's RSS after one model on
+each backend was loaded and unloaded again, i.e. the process with the
+runtimes' code and allocator arenas already in place, which no budget
+counts. Asserted: max RSS - baseline <= budget + 10%. The RSS before
+anything was loaded is recorded too.
+
+`make test` runs 50 cycles; `make stress` 1,000 (MODELD_STRESS_SCALE=20)
+and records the figures in bench/results/stress.json.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+import onnx_fixtures
+from daemon import start_daemon
+from modeld.gen import inference_pb2 as pb
+from modeld.gen import inference_pb2_grpc as pb_grpc
+from stress.stress_config import record, scaled
+
+pytestmark = pytest.mark.stress
+
+CYCLES = scaled(50)
+MIB = 1024**2
+WEIGHTS = 4 * MIB  # floats: 16 MiB of weights, about 32 MiB a model loaded (file and session)
+BUDGET = 192 * MIB  # the held model and two or three others
+CHURN = [("onnx0", "onnx"), ("ref0", "reference"), ("onnx1", "onnx"), ("onnx2", "onnx"), ("ref1", "reference"),
+         ("onnx3", "onnx")]
+HELD_DELAY_US = 3_600 * 10**6  # the held model's batch waits an hour for company
+HELD_BATCH = 8
+
+
+def _model(root: Path, name: str, backend: str, batching: str = "") -> None:
+    (root / name).mkdir()
+    (root / name / "model.onnx").write_bytes(onnx_fixtures.add_fp32(WEIGHTS))
+    (root / name / "model.toml").write_text(
+        f'format = "onnx"\nbackends = ["{backend}"]\nmemory_estimate = "34MiB"\n{batching}\n')
+
+
+def _request(model: str, rows: int = 1) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=model)
+    request.inputs.add(name="x", datatype="FP32", shape=[rows, 4])
+    request.raw_input_contents.append(np.zeros((rows, 4), np.float32).tobytes())
+    return request
+
+
+def _ones(response: pb.ModelInferResponse, rows: int) -> bool:
+    return np.frombuffer(response.raw_output_contents[0], np.float32).tolist() == [1.0] * (4 * rows)
+
+
+class RssSampler(threading.Thread):
+    def __init__(self, daemon) -> None:
+        super().__init__(daemon=True)
+        self.target, self.max, self._done = daemon, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            try:
+                self.max = max(self.max, self.target.rss())
+            except (FileNotFoundError, RuntimeError):
+                return  # the daemon is gone: the test says so
+            time.sleep(0.02)
+
+    def stop(self) -> int:
+        self._done.set()
+        self.join(5)
+        return self.max
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    root = tmp_path_factory.mktemp("repo")
+    _model(root, "held", "onnx", f"[batching]\nmax_batch_size = {HELD_BATCH}\nmax_queue_delay_us = {HELD_DELAY_US}")
+    for name, backend in CHURN:
+        _model(root, name, backend)
+    proc = start_daemon("--no-preload", "--http-port", "-1", "--memory-budget", str(BUDGET), repository=root,
+                        env={"MODELD_DRAIN_DELAY_S": "0"})
+    yield proc
+    assert proc.stop() == 0
+
+
+def test_churn_stays_within_budget_and_never_evicts_a_busy_model(daemon):
+    rss_start = daemon.rss()
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for name in ("onnx0", "ref0"):  # the runtimes' code and arenas: the baseline, not model memory
+            assert _ones(stub.ModelInfer(_request(name), timeout=60), 1)
+            stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name=name), timeout=60)
+        rss_baseline = daemon.rss()
+
+        held: dict = {}
+        waiter = threading.Thread(target=lambda: held.update(response=stub.ModelInfer(_request("held"), timeout=3600)))
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while not any(e.get("model") == "held" for e in daemon.events("model_loaded")):
+            assert time.monotonic() < deadline, "the held model did not load"
+            time.sleep(0.05)
+        sampler = RssSampler(daemon)
+        sampler.start()
+        try:
+            for cycle in range(CYCLES):
+                name = CHURN[cycle % len(CHURN)][0]
+                assert _ones(stub.ModelInfer(_request(name), timeout=120), 1), f"cycle {cycle}: {name}"
+                assert waiter.is_alive(), "the held request ended early"
+                assert daemon.proc.poll() is None
+        finally:
+            rss_max = sampler.stop()
+        # company at last: the held batch fills and runs
+        assert _ones(stub.ModelInfer(_request("held", HELD_BATCH - 1), timeout=60), HELD_BATCH - 1)
+        waiter.join(60)
+        assert _ones(held["response"], 1)
+
+    evicted = [e.get("model") for e in daemon.events("model_evicted")]
+    loads = len(daemon.events("model_loaded"))
+    over = (rss_max - rss_baseline) / BUDGET
+    record("churn", {
+        "cycles": CYCLES, "models": [n for n, _ in CHURN], "backends": sorted({b for _, b in CHURN}),
+        "loads": loads, "evictions": len(evicted), "held_model_evictions": evicted.count("held"),
+        "budget_bytes": BUDGET, "rss_start_bytes": rss_start, "rss_baseline_bytes": rss_baseline,
+        "rss_max_bytes": rss_max, "rss_max_over_baseline_bytes": rss_max - rss_baseline,
+        "rss_max_over_baseline_vs_budget": round(over, 3),
+    })
+    assert "held" not in evicted
+    assert len(evicted) >= CYCLES - 4  # nearly every load had to make room
+    assert rss_max - rss_baseline <= BUDGET * 1.10, (
+        f"RSS grew {(rss_max - rss_baseline) / MIB:.1f} MiB over its baseline; the budget is {BUDGET / MIB:.0f} MiB")
