@@ -93,6 +93,9 @@ class Engine:
         self.lazy_load = lazy_load
         self._served: dict[str, ServedModel] = {}
         self._loading: dict[str, asyncio.Task] = {}
+        # budget entries of loads still in progress: idle by the books (nothing
+        # in flight), but evicting one would pull the books from under its load
+        self._reserved: set[ModelKey] = set()
         self._unloading: set[str] = set()
         self._failures: dict[str, str] = {}
         self._stats: dict[str, ModelStats] = {}
@@ -239,9 +242,10 @@ class Engine:
         key = ModelKey(backend.name, config.name)
         estimate = backend.estimate_bytes(config, source.model_dir)
         async with self._memory_lock:
-            for victim in self.memory.plan(estimate, exclude):
+            for victim in self.memory.plan(estimate, exclude | self._reserved):
                 await self._evict(victim)
             self.memory.add(key, estimate, config.pinned)
+            self._reserved.add(key)
         try:
             async with self._load_lock:
                 if self.workers.isolates(backend, config):
@@ -249,6 +253,7 @@ class Engine:
                 else:
                     loaded = await anyio.to_thread.run_sync(backend.load, config, source.model_dir)
         except BaseException:
+            self._reserved.discard(key)
             self.memory.remove(key)
             raise
         try:
@@ -256,6 +261,8 @@ class Engine:
         except ResourceExhausted:
             await _unload(loaded)
             raise
+        finally:
+            self._reserved.discard(key)
         served = self._make_served(config, source, backend, loaded)
         if hasattr(loaded, "worker"):  # a worker process (server/workers)
             self._follow_worker(served)
@@ -290,7 +297,7 @@ class Engine:
             if self.memory.free >= 0:
                 return
             try:
-                victims = self.memory.plan(0, exclude | {key})
+                victims = self.memory.plan(0, exclude | self._reserved | {key})
             except ResourceExhausted:
                 self.memory.remove(key)
                 raise ResourceExhausted(self.memory.refusal(nbytes)) from None
@@ -415,7 +422,7 @@ class Engine:
             if self.memory.free >= 0:
                 return
             try:
-                victims = self.memory.plan(0, frozenset({served.key}))
+                victims = self.memory.plan(0, frozenset({served.key}) | self._reserved)
             except ResourceExhausted as exc:
                 log.warning("worker_memory_over_budget", model=served.config.name, reason=str(exc))
                 return
