@@ -14,9 +14,10 @@ order rotating per round):
   vllm          a `format = "remote"` model on vLLM CPU (fp32), when
                 .venv-vllm and var/hf/smollm2 exist (make vllm-env)
 Per row and round: 1 stream (time to first token, decode tok/s), 8 streams
-(aggregate tok/s, median time to first token), the daemon's resident memory
-before loading, after loading, and at its peak over the 8 streams (for
-vllm: the vLLM server's, the daemon only relays).
+(aggregate tok/s, median time to first token), and the resident memory of
+the daemon with its worker processes (language models run in a worker by
+default) before loading, after loading, and at its peak over the 8 streams
+(for vllm: the vLLM server's, the daemon only relays).
 
 7B projection, per row: weights scale with parameters, KV with
 layers x KV width. bytes/param = (resident growth at load - the KV the
@@ -133,7 +134,7 @@ class Row:
         self.vllm = None
 
     def rss(self) -> int:
-        return self.vllm.rss() if self.vllm is not None else self.daemon.rss()
+        return self.vllm.rss() if self.vllm is not None else self.daemon.tree_rss()
 
     def load(self) -> None:
         import tritonclient.grpc as tc

@@ -129,21 +129,22 @@ class Modeld:
         self.memory: dict[str, dict] = {}
 
     def load(self, model: str) -> None:
-        """Load one model, measuring what it adds to the daemon's resident memory."""
+        """Load one model, measuring what it adds to the resident memory of
+        the daemon and its workers (a language model's worker included)."""
         import tritonclient.grpc as tc
 
-        before = self.daemon.rss()
+        before = self.daemon.tree_rss()
         client = tc.InferenceServerClient(self.daemon.address)
         client.load_model(model, client_timeout=900)
         client.close()
         asyncio.run(_stream(self.daemon.address, model, "Warm up.", 8))
         self.memory[model] = {"reported_mb": _loaded_bytes(self.daemon, model) / 1e6,
-                              "rss_loaded_mb": (self.daemon.rss() - before) / 1e6, "rss_peak_8_streams_mb": 0.0}
+                              "rss_loaded_mb": (self.daemon.tree_rss() - before) / 1e6, "rss_peak_8_streams_mb": 0.0}
 
     async def round(self, model: str, prompt: str) -> dict:
         single = await _stream(self.daemon.address, model, prompt, NEW_TOKENS)
-        base = self.daemon.rss()
-        with RssPeak(self.daemon.rss) as peak:
+        base = self.daemon.tree_rss()
+        with RssPeak(self.daemon.tree_rss) as peak:
             start = time.perf_counter()
             many = await asyncio.gather(*(_stream(self.daemon.address, model, p, NEW_TOKENS) for p in PROMPTS))
             wall = time.perf_counter() - start

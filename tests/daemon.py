@@ -52,6 +52,19 @@ class DaemonProcess:
                 return int(line.split()[1]) * 1024
         raise RuntimeError("no VmRSS")
 
+    def tree_rss(self) -> int:
+        """Resident bytes of the daemon and its worker processes together."""
+        import psutil
+
+        total = 0
+        root = psutil.Process(self.proc.pid)
+        for process in (root, *root.children(recursive=True)):
+            try:
+                total += process.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass  # a worker that ended meanwhile holds nothing
+        return total
+
 
 def _pump(daemon: DaemonProcess, started: threading.Event, ready_event: str = "daemon_started") -> None:
     for line in daemon.proc.stderr:
