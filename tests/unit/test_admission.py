@@ -65,15 +65,21 @@ def test_a_batch_runs_to_completion_before_the_next_starts(make, policy):
     assert _step(scheduler) == set(), "one of two: the batch waits to fill"
     scheduler.add(b)
     assert _step(scheduler) == {a.seq_id, b.seq_id}
-    late = _seq()
-    scheduler.add(late)
+    # a full batch arrives while one runs: it waits for the running one to end
+    late = [_seq(), _seq()]
+    for s in late:
+        scheduler.add(s)
     ran = [_step(scheduler) for _ in range(2)]
-    assert all(late.seq_id not in r for r in ran) and a.finish_reason is FinishReason.LENGTH
+    assert all(s.seq_id not in r for r in ran for s in late) and a.finish_reason is FinishReason.LENGTH
     assert not scheduler.running
-    # alone, the late one waits for the window (60 s here) before starting a batch of one
-    assert _step(scheduler) == set()
-    late.arrival_time -= 61
-    assert _step(scheduler) == {late.seq_id}
+    assert _step(scheduler) == {s.seq_id for s in late}
+    _step(scheduler)
+    # alone, a request waits for the window (60 s here) before starting a batch of one
+    alone = _seq()
+    scheduler.add(alone)
+    assert not scheduler.running and _step(scheduler) == set()
+    alone.arrival_time -= 61
+    assert _step(scheduler) == {alone.seq_id}
 
 
 @pytest.mark.parametrize("make", SCHEDULERS)
