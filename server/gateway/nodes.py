@@ -61,6 +61,11 @@ class Node:
         self._score, self._score_at = 1.0, -1.0
         self._ready_models: frozenset[str] = frozenset()
         self.calls: set[asyncio.Task] = set()   # tasks awaiting a unary call here
+        # tasks awaiting a fan-out (a load or unload sent to every replica):
+        # they have no other node to move to, so a late Stats answer alone
+        # (a node busy loading a model) must not cancel them; only an open
+        # breaker or the node leaving the fleet does
+        self.fanouts: set[asyncio.Task] = set()
         self._abandoned: set[asyncio.Task] = set()
         self._methods: dict[tuple[str, str], object] = {}
         self._tasks: list[asyncio.Task] = []
@@ -117,11 +122,11 @@ class Node:
             self._methods[key] = self.channel.stream_stream(method)
         return self._methods[key]
 
-    def _abandon_calls(self) -> None:
+    def _abandon_calls(self, fanouts: bool = False) -> None:
         """Calls waiting on a node that stopped answering would wait as long
         as it stays frozen: cancel them, so each fails over to another node
         as if the node had refused it (see `claim_abandoned`)."""
-        for task in list(self.calls):
+        for task in [*self.calls, *(self.fanouts if fanouts else ())]:
             self._abandoned.add(task)
             task.cancel()
 
@@ -251,6 +256,8 @@ class Node:
         self.metrics.breaker_state.labels(self.address).set(BREAKER_VALUE[new.value])
         self.metrics.breaker_transitions.labels(self.address, old.value, new.value).inc()
         log.info("breaker_transition", node=self.name, address=self.address, from_state=old.value, to_state=new.value)
+        if new is BreakerState.OPEN and self.fanouts:
+            self._abandon_calls(fanouts=True)  # frozen, not merely slow: fan-outs stop waiting on it
 
 
 class Fleet:
@@ -279,7 +286,7 @@ class Fleet:
             log.info("node_added", address=address)
         for address in self.by_address.keys() - addresses:
             node = self.by_address.pop(address)
-            node._abandon_calls()  # its waiting calls move to other nodes now
+            node._abandon_calls(fanouts=True)  # its waiting calls move to other nodes now
             closing = asyncio.get_running_loop().create_task(node.close())
             self._closing.add(closing)
             closing.add_done_callback(self._closing.discard)

@@ -248,7 +248,8 @@ class GatewayService:
         then must not act as the breaker's probe."""
         node.in_flight += 1
         task = asyncio.current_task()
-        node.calls.add(task)
+        waiting = node.calls if admitted else node.fanouts
+        waiting.add(task)
         started = time.perf_counter()
         timeout = opts.timeout
         code = grpc.StatusCode.OK
@@ -278,7 +279,7 @@ class GatewayService:
             code = grpc.StatusCode.UNAVAILABLE
             raise CallFailed(code, f"node {node.name}: {type(exc).__name__}: {exc}") from None
         finally:
-            node.calls.discard(task)
+            waiting.discard(task)
             node.in_flight -= 1
             elapsed = time.perf_counter() - started
             if admitted:
@@ -464,8 +465,10 @@ class GatewayService:
                 if not model:
                     raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, "model_name is empty")
                 opts = CallOptions(context)
+                # `usable`, not `routable`: a replica that is only late with its
+                # Stats (busy, say loading another model) still gets its copy
                 targets = [self.fleet.by_name[n] for n in self.fleet.ring.replicas(model, self.settings.replicas)
-                           if self.fleet.by_name[n].routable]
+                           if self.fleet.by_name[n].usable]
                 if not targets:
                     raise CallFailed(grpc.StatusCode.UNAVAILABLE, self.router.why_unavailable(model))
                 replies = await asyncio.gather(*(self._call(n, method, data, opts, admitted=False) for n in targets),

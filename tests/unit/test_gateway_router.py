@@ -3,6 +3,7 @@ which nodes a call may go to as their health, probes and breakers change."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import grpc
@@ -64,3 +65,50 @@ async def test_a_node_that_restarts_loses_its_prefixes(router):
     assert router.prefixes.match("x" * 256).get(node.name) == 256
     node._set_serving(False, "test")
     assert node.name not in router.prefixes.match("x" * 256)
+
+
+class _Context:
+    """The little of grpc.aio.ServicerContext that GatewayService reads."""
+
+    def invocation_metadata(self):
+        return ()
+
+    def time_remaining(self):
+        return None
+
+
+async def test_a_load_goes_to_a_replica_that_is_only_late_with_its_stats(router):
+    from modeld.gen import inference_pb2
+    from modeld.server.gateway.proxy import GatewayService
+
+    service = GatewayService(router.fleet, router, router.fleet.settings, router.metrics)
+    first, second = router.fleet.ring.replicas("minilm", 2)
+    router.fleet.by_name[first].responsive = False   # busy, say loading another model
+    called = []
+
+    async def fake_call(node, method, data, opts, model="", context=None, admitted=True):
+        called.append((node.name, admitted))
+        return b""
+
+    service._call = fake_call
+    load = service.to_replicas("RepositoryModelLoad")
+    await load(inference_pb2.RepositoryModelLoadRequest(model_name="minilm").SerializeToString(), _Context())
+    assert sorted(called) == sorted([(first, False), (second, False)])
+    router.fleet.by_name[first].breaker.trip()      # frozen: its breaker opened
+    called.clear()
+    await load(inference_pb2.RepositoryModelLoadRequest(model_name="minilm").SerializeToString(), _Context())
+    assert called == [(second, False)]
+
+
+async def test_a_late_stats_answer_moves_routed_calls_but_leaves_fanouts_until_the_breaker_opens(router):
+    node = router.fleet.by_name[router.fleet.ring.replicas("minilm", 2)[0]]
+    routed = asyncio.create_task(asyncio.sleep(3600))
+    fanout = asyncio.create_task(asyncio.sleep(3600))
+    node.calls.add(routed)
+    node.fanouts.add(fanout)
+    node._abandon_calls()        # what a Stats poll past its deadline does
+    await asyncio.sleep(0)
+    assert routed.cancelled() and not fanout.done()
+    node.breaker.trip()
+    await asyncio.sleep(0)
+    assert fanout.cancelled()
