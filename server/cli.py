@@ -50,6 +50,17 @@ def _gateway_args(sub) -> None:
     p.add_argument("--replicas", type=int, help="nodes that serve each model (default 2)")
     p.add_argument("--config", type=Path, help="TOML file with a [gateway] table")
     p.add_argument("--log-format", dest="log_format", choices=["json", "console"])
+    p.add_argument("--node-tls-ca", dest="node_tls_ca", metavar="FILE",
+                   help="PEM CA that signed the daemons' certificates: connect to them with TLS")
+    p.add_argument("--node-tls-cert", dest="node_tls_cert", metavar="FILE",
+                   help="PEM client certificate for daemons with mutual TLS (with --node-tls-key)")
+    p.add_argument("--node-tls-key", dest="node_tls_key", metavar="FILE", help="PEM private key of --node-tls-cert")
+    p.add_argument("--node-tls-server-name", dest="node_tls_server_name", metavar="NAME",
+                   help="check this name in every daemon's certificate instead of the dialled host "
+                        "(daemons dialled by IP)")
+    p.add_argument("--node-token-file", dest="node_token_file", metavar="FILE",
+                   help="the gateway's own token (first word of the first non-comment line, role infer), "
+                        "sent on its health and Stats probes; forwarded calls keep the client's own")
 
 
 def _client_args(sub) -> None:
@@ -147,7 +158,9 @@ def gateway(args) -> int:
     from modeld.server.logging import configure_logging
 
     flags = {"nodes": args.node, **{k: getattr(args, k) for k in ("dns", "host", "grpc_port", "metrics_port",
-                                                                   "replicas", "log_format")}}
+                                                                   "replicas", "log_format", "node_tls_ca",
+                                                                   "node_tls_cert", "node_tls_key",
+                                                                   "node_tls_server_name", "node_token_file")}}
     try:
         settings = load_gateway_settings(flags, config_file=args.config)
     except GatewayConfigError as exc:

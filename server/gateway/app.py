@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from modeld.server.app import reflection_pool
-from modeld.server.gateway.config import GatewaySettings
+from modeld.server.gateway.config import GatewaySettings, NodeCredentials
 from modeld.server.gateway.discovery import watch_dns
 from modeld.server.gateway.metrics import GatewayMetrics
 from modeld.server.gateway.nodes import Fleet
@@ -30,7 +30,7 @@ class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.metrics = GatewayMetrics()
-        self.fleet = Fleet(settings, self.metrics)
+        self.fleet = Fleet(settings, self.metrics, NodeCredentials.load(settings))
         self.router = Router(self.fleet, settings, self.metrics)
         self.service = GatewayService(self.fleet, self.router, settings, self.metrics)
         self.health = health.aio.HealthServicer()
@@ -68,7 +68,8 @@ class Gateway:
             self.fleet.set_addresses(set(s.nodes))
         self._tasks.append(loop.create_task(self._follow_health()))
         log.info("gateway_started", host=s.host, grpc_port=self.port, metrics_port=self.metrics_port,
-                 nodes=list(s.nodes), dns=s.dns, replicas=s.replicas)
+                 nodes=list(s.nodes), dns=s.dns, replicas=s.replicas, node_tls=self.fleet.credentials.tls,
+                 node_mutual_tls=bool(s.node_tls_cert), node_token=self.fleet.credentials.has_token)
         return self.port
 
     async def _follow_health(self) -> None:

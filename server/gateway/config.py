@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ssl
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,13 +37,120 @@ class GatewaySettings:
     max_message_bytes: int = 2**31 - 1
     log_level: str = "info"
     log_format: str = "json"
+    # toward the nodes (the gateway as a client): TLS, mutual TLS, a token
+    node_tls_ca: str = ""                # PEM CA that signed the nodes' certificates; set: TLS to every node
+    node_tls_cert: str = ""              # PEM client certificate for nodes with mutual TLS (with node_tls_key)
+    node_tls_key: str = ""
+    node_tls_server_name: str = ""       # the name checked in each node's certificate instead of the dialled host
+    node_token_file: str = ""            # the gateway's own token, for its Stats polls and health watches only
     weights: ScoreWeights = field(default_factory=ScoreWeights)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
 
     def describe(self) -> str:
         source = f"dns {self.dns}" if self.dns else f"nodes {', '.join(self.nodes)}"
+        security = []
+        if self.node_tls_ca:
+            security.append("mutual TLS to nodes" if self.node_tls_cert else "TLS to nodes")
+        if self.node_token_file:
+            security.append("a token for its node probes")
         return (f"gateway on {self.host}:{self.grpc_port}, {source}, {self.replicas} replicas per model, "
-                f"metrics on {self.metrics_port}")
+                f"metrics on {self.metrics_port}" + "".join(f", {part}" for part in security))
+
+
+class NodeCredentials:
+    """What the gateway presents to its nodes, read from the files the
+    settings name: channel credentials (None: plaintext), channel options,
+    and the metadata of the gateway's own calls (its bearer token).
+
+    Forwarded client calls never carry the gateway's token: they keep the
+    client's own `authorization`, so a client gets through the gateway what
+    its token allows at the node and no more. The token is never logged and
+    never part of a repr."""
+
+    __slots__ = ("channel_credentials", "options", "probe_metadata", "_token")
+
+    def __init__(self, channel_credentials=None, options: tuple = (), token: str | None = None) -> None:
+        self.channel_credentials = channel_credentials
+        self.options = tuple(options)
+        self._token = token
+        self.probe_metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {token}"),) if token else ())
+
+    @property
+    def tls(self) -> bool:
+        return self.channel_credentials is not None
+
+    @property
+    def has_token(self) -> bool:
+        return self._token is not None
+
+    def __repr__(self) -> str:
+        return f"NodeCredentials(tls={self.tls}, token={'set' if self.has_token else 'none'})"
+
+    @classmethod
+    def load(cls, s: GatewaySettings) -> NodeCredentials:
+        """Read and check every file; GatewayConfigError names the flag and
+        the file (never the token)."""
+        credentials, options = None, []
+        if s.node_tls_ca:
+            import grpc
+
+            ca = _read_pem(s.node_tls_ca, "--node-tls-ca")
+            cert = key = None
+            if s.node_tls_cert:
+                cert = _read_pem(s.node_tls_cert, "--node-tls-cert")
+                key = _read_pem(s.node_tls_key, "--node-tls-key")
+                try:
+                    ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(s.node_tls_cert, s.node_tls_key)
+                except ssl.SSLError as exc:
+                    raise GatewayConfigError(
+                        f"--node-tls-cert {s.node_tls_cert} and --node-tls-key {s.node_tls_key} do not make a pair "
+                        f"({exc.reason})") from None
+            try:
+                ssl.create_default_context(cadata=ca.decode("ascii", "replace"))
+            except (ssl.SSLError, ValueError) as exc:
+                raise GatewayConfigError(f"--node-tls-ca file {s.node_tls_ca} holds no usable certificate "
+                                         f"({getattr(exc, 'reason', None) or exc})") from None
+            credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+            if s.node_tls_server_name:
+                options.append(("grpc.ssl_target_name_override", s.node_tls_server_name))
+        token = _read_token(s.node_token_file) if s.node_token_file else None
+        return cls(credentials, options, token)
+
+
+def _read_file(path: str, flag: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise GatewayConfigError(f"{flag} file {path} does not exist") from None
+    except OSError as exc:
+        raise GatewayConfigError(f"cannot read {flag} file {path}: {exc.strerror}") from None
+
+
+def _read_pem(path: str, flag: str) -> bytes:
+    data = _read_file(path, flag)
+    if b"-----BEGIN" not in data:
+        raise GatewayConfigError(f"{flag} file {path} is not PEM (no '-----BEGIN' line)")
+    return data
+
+
+def _read_token(path: str) -> str:
+    """The first word of the first line that is not blank or a comment (so a
+    daemon's own `<token> <role>` line works too); errors never quote it."""
+    try:
+        text = _read_file(path, "--node-token-file").decode("ascii")
+    except UnicodeDecodeError:
+        raise GatewayConfigError(f"--node-token-file file {path} is not ASCII text") from None
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        token = words[0]
+        if not token.isprintable():
+            raise GatewayConfigError(f"--node-token-file file {path}, line {number}: the token holds "
+                                     "characters that are not printable ASCII")
+        return token
+    raise GatewayConfigError(f"--node-token-file file {path} holds no token (only blank lines and comments)")
 
 
 _SECTIONS = {"weights": ScoreWeights, "breaker": BreakerConfig}
@@ -110,3 +218,12 @@ def _check(s: GatewaySettings) -> None:
         raise GatewayConfigError(f"gateway.hedge_ratio must be within [0, 1], not {s.hedge_ratio}")
     if s.stats_interval_s <= 0 or s.stats_timeout_s <= 0 or s.dns_interval_s <= 0:
         raise GatewayConfigError("gateway intervals and timeouts must be positive")
+    if bool(s.node_tls_cert) != bool(s.node_tls_key):
+        given, missing = (("--node-tls-cert", "--node-tls-key") if s.node_tls_cert
+                          else ("--node-tls-key", "--node-tls-cert"))
+        raise GatewayConfigError(f"{given} needs {missing} (a client certificate and its key, both or neither)")
+    if not s.node_tls_ca and (s.node_tls_cert or s.node_tls_server_name):
+        given = "--node-tls-cert" if s.node_tls_cert else "--node-tls-server-name"
+        raise GatewayConfigError(f"{given} needs --node-tls-ca (the CA that signed the nodes' certificates), "
+                                 "which turns TLS toward the nodes on")
+    NodeCredentials.load(s)  # every file readable and usable now, not at the first node

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from modeld.gen import node_pb2, node_pb2_grpc
 from modeld.server.gateway.breaker import BreakerState, CircuitBreaker, is_server_failure
-from modeld.server.gateway.config import GatewaySettings
+from modeld.server.gateway.config import GatewaySettings, NodeCredentials
 from modeld.server.gateway.metrics import BREAKER_VALUE, GatewayMetrics
 from modeld.server.gateway.ring import HashRing
 from modeld.server.gateway.score import NodeHealth
@@ -35,13 +35,17 @@ class Node:
     """
 
     def __init__(self, address: str, settings: GatewaySettings, metrics: GatewayMetrics,
-                 on_change: Callable[[Node], None]) -> None:
+                 on_change: Callable[[Node], None], credentials: NodeCredentials | None = None) -> None:
         self.address = address
         self.name = address
         self.settings = settings
         self.metrics = metrics
         self._on_change = on_change
-        self.channel = grpc.aio.insecure_channel(address, options=[
+        credentials = credentials if credentials is not None else NodeCredentials()
+        # the gateway's own calls (health Watch, Stats) carry its token;
+        # forwarded calls carry the client's metadata only (proxy.CallOptions)
+        self._probe_metadata = credentials.probe_metadata
+        options = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
             # a restarted node must be dialled again at once, not after
@@ -49,7 +53,22 @@ class Node:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
             ("grpc.min_reconnect_backoff_ms", 100),
-        ])
+            *credentials.options,
+        ]
+        if credentials.channel_credentials is not None:
+            self.channel = grpc.aio.secure_channel(address, credentials.channel_credentials, options=options)
+        else:
+            self.channel = grpc.aio.insecure_channel(address, options=options)
+        self.last_error = ""        # why the health watch last failed: UNAVAILABLE's answer names it
+        # a refused handshake reads only "Socket closed": name the likely cause
+        # while the node has never answered (set up wrongly rather than down)
+        if not credentials.tls:
+            self._connect_hint = "if the daemon serves TLS, give the gateway --node-tls-ca"
+        elif not settings.node_tls_cert:
+            self._connect_hint = "if the daemon requires client certificates, give --node-tls-cert/--node-tls-key"
+        else:
+            self._connect_hint = ""
+        self._stats_refused = False  # Stats answered UNAUTHENTICATED or PERMISSION_DENIED (logged once)
         self.breaker = CircuitBreaker(settings.breaker, on_transition=self._on_transition)
         self.health = NodeHealth(settings.weights)
         self.serving = False        # the health Watch's latest word
@@ -184,13 +203,18 @@ class Node:
         backoff = 0.1
         while True:
             try:
-                async for reply in stub.Watch(health_pb2.HealthCheckRequest(service="")):
+                async for reply in stub.Watch(health_pb2.HealthCheckRequest(service=""),
+                                              metadata=self._probe_metadata):
                     backoff = 0.1
+                    self.last_error = ""
                     self._set_serving(reply.status == _SERVING, health_pb2.HealthCheckResponse.ServingStatus.Name(
                         reply.status))
                 self._set_serving(False, "health watch ended")
             except grpc.aio.AioRpcError as exc:
-                self._set_serving(False, f"health watch: {exc.code().name}: {exc.details()}")
+                self.last_error = f"health watch: {exc.code().name}: {exc.details()}"
+                if not self.ever_served and self._connect_hint and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.last_error += f" ({self._connect_hint})"
+                self._set_serving(False, self.last_error)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 1.0)
 
@@ -205,8 +229,10 @@ class Node:
             state = self.breaker.state
             probing = state is BreakerState.HALF_OPEN and self.breaker.allow()
             try:
-                stats = await stub.Stats(node_pb2.NodeStatsRequest(), timeout=s.stats_timeout_s)
+                stats = await stub.Stats(node_pb2.NodeStatsRequest(), timeout=s.stats_timeout_s,
+                                         metadata=self._probe_metadata)
             except grpc.aio.AioRpcError as exc:
+                self._note_refusal(exc)
                 if not is_server_failure(exc.code()):
                     if probing:
                         self.breaker.release()
@@ -228,6 +254,7 @@ class Node:
                     self.breaker.release()
                 raise
             else:
+                self._stats_refused = False
                 if probing:
                     self.breaker.record_success()
                 self.health.record(True)
@@ -238,6 +265,17 @@ class Node:
             self.metrics.score.labels(self.address).set(self.score())
             self.metrics.in_flight.labels(self.address).set(self.in_flight)
             await asyncio.sleep(max(0.0, s.stats_interval_s - (time.monotonic() - started)))
+
+    def _note_refusal(self, exc: grpc.aio.AioRpcError) -> None:
+        """A node with tokens refuses Stats without the gateway's own token:
+        routing then lacks its load and models (and under DNS its name), so
+        say so once, and how to fix it."""
+        if exc.code() not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return
+        if not self._stats_refused:
+            self._stats_refused = True
+            log.warning("node_stats_refused", node=self.name, address=self.address, code=exc.code().name,
+                        reason=exc.details(), hint="give the gateway a token with the infer role: --node-token-file")
 
     def _take_stats(self, stats: node_pb2.NodeStats) -> None:
         if stats.gpu_memory_total_bytes:
@@ -269,9 +307,11 @@ class Fleet:
     elsewhere) while it recovers; routing steps past it to the next replica.
     """
 
-    def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics) -> None:
+    def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics,
+                 credentials: NodeCredentials | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.credentials = credentials if credentials is not None else NodeCredentials.load(settings)
         self.ring = HashRing(settings.vnodes)
         self.by_address: dict[str, Node] = {}
         self.by_name: dict[str, Node] = {}
@@ -280,7 +320,7 @@ class Fleet:
 
     def set_addresses(self, addresses: set[str]) -> None:
         for address in addresses - self.by_address.keys():
-            node = Node(address, self.settings, self.metrics, self._changed)
+            node = Node(address, self.settings, self.metrics, self._changed, self.credentials)
             self.by_address[address] = node
             node.start()
             log.info("node_added", address=address)

@@ -55,7 +55,10 @@ class CallFailed(Exception):
 
 
 class CallOptions:
-    """What the client's metadata asks of this call."""
+    """What the client's metadata asks of this call, and the metadata the
+    node gets: the client's own, `authorization` included, so the node
+    judges the client's token (the gateway's own token, --node-token-file,
+    rides only on its health and Stats probes, never on a forwarded call)."""
 
     __slots__ = ("metadata", "request_id", "update", "urgent", "_context")
 
@@ -211,7 +214,8 @@ class Router:
         states = ", ".join(
             f"{n.name} ({'serving' if n.serving else 'not serving'}, "
             f"{'answering' if n.responsive else 'not answering its Stats probes'}, breaker {n.breaker.state.value}, "
-            f"score {n.score():.2f})" for n in nodes)
+            f"score {n.score():.2f}{'; ' + n.last_error if n.last_error and not n.serving else ''})"
+            for n in nodes)
         what = f"model {model!r}" if model else "this call"
         return f"no healthy node can take {what}: {states}"
 

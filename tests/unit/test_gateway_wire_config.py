@@ -73,3 +73,83 @@ def test_bad_settings_are_refused_with_the_reason(tmp_path, flags, text, message
     with pytest.raises(GatewayConfigError) as err:
         load_gateway_settings(flags, config_file=config if text else None)
     assert message in str(err.value)
+
+
+# -- toward TLS / token daemons: --node-tls-*, --node-token-file ----------------
+
+
+@pytest.fixture(scope="module")
+def node_pki(tmp_path_factory):
+    trustme = pytest.importorskip("trustme")
+    folder = tmp_path_factory.mktemp("node-pki")
+    ca, other = trustme.CA(), trustme.CA()
+    ca.cert_pem.write_to_path(str(folder / "ca.pem"))
+    for name, issuer in (("client", ca), ("other", other)):
+        leaf = issuer.issue_cert("gateway@example.com")
+        leaf.cert_chain_pems[0].write_to_path(str(folder / f"{name}.crt"))
+        leaf.private_key_pem.write_to_path(str(folder / f"{name}.key"))
+    (folder / "not-pem.txt").write_text("just words\n")
+    return folder
+
+
+def test_node_tls_and_token_come_from_flags_or_the_file(node_pki, tmp_path):
+    import grpc
+
+    from modeld.server.gateway.config import NodeCredentials
+
+    token = "gw-" + "x" * 30
+    (tmp_path / "token").write_text(f"# the gateway's token\n\n{token} infer  # as in a daemon's file\nnext-line\n")
+    config = tmp_path / "gateway.toml"
+    config.write_text(f'[gateway]\nnode_tls_ca = "{node_pki / "ca.pem"}"\nnode_token_file = "{tmp_path / "token"}"\n')
+    s = load_gateway_settings({"nodes": ["10.0.0.7:8001"], "node_tls_cert": str(node_pki / "client.crt"),
+                               "node_tls_key": str(node_pki / "client.key"),
+                               "node_tls_server_name": "modeld.example"}, config_file=config)
+    assert s.node_tls_ca == str(node_pki / "ca.pem") and s.node_tls_server_name == "modeld.example"
+    assert "mutual TLS to nodes" in s.describe() and token not in s.describe() and token not in repr(s)
+    creds = NodeCredentials.load(s)
+    assert creds.tls and isinstance(creds.channel_credentials, grpc.ChannelCredentials)
+    assert ("grpc.ssl_target_name_override", "modeld.example") in creds.options
+    assert creds.probe_metadata == (("authorization", f"Bearer {token}"),)
+    assert token not in repr(creds)
+    plain = NodeCredentials.load(load_gateway_settings({"nodes": ["a:1"]}))
+    assert not plain.tls and plain.probe_metadata == () and plain.options == ()
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"node_tls_ca": "ca.pem", "node_tls_cert": "client.crt"}, "--node-tls-cert needs --node-tls-key"),
+    ({"node_tls_ca": "ca.pem", "node_tls_key": "client.key"}, "--node-tls-key needs --node-tls-cert"),
+    ({"node_tls_cert": "client.crt", "node_tls_key": "client.key"}, "--node-tls-cert needs --node-tls-ca"),
+    ({"node_tls_server_name": "modeld.example"}, "--node-tls-server-name needs --node-tls-ca"),
+    ({"node_tls_ca": "missing.pem"}, "--node-tls-ca file {dir}/missing.pem does not exist"),
+    ({"node_tls_ca": "not-pem.txt"}, "--node-tls-ca file {dir}/not-pem.txt is not PEM"),
+    ({"node_tls_ca": "ca.pem", "node_tls_cert": "client.crt", "node_tls_key": "missing.key"},
+     "--node-tls-key file {dir}/missing.key does not exist"),
+    ({"node_tls_ca": "ca.pem", "node_tls_cert": "client.crt", "node_tls_key": "other.key"}, "do not make a pair"),
+    ({"node_token_file": "missing-token"}, "--node-token-file file {dir}/missing-token does not exist"),
+])
+def test_bad_node_security_settings_name_the_flag(node_pki, flags, message):
+    flags = {k: str(node_pki / v) if k != "node_tls_server_name" else v for k, v in flags.items()}
+    with pytest.raises(GatewayConfigError) as err:
+        load_gateway_settings({"nodes": ["a:1"], **flags})
+    assert message.format(dir=node_pki) in str(err.value)
+
+
+def test_a_token_file_without_a_token_is_refused_without_quoting_it(tmp_path):
+    (tmp_path / "empty").write_text("# only a comment\n\n   \n")
+    with pytest.raises(GatewayConfigError, match="holds no token"):
+        load_gateway_settings({"nodes": ["a:1"], "node_token_file": str(tmp_path / "empty")})
+    secret = "secret-" + "y" * 20
+    (tmp_path / "bad").write_text(f"{secret}\x07\n")
+    with pytest.raises(GatewayConfigError) as err:
+        load_gateway_settings({"nodes": ["a:1"], "node_token_file": str(tmp_path / "bad")})
+    assert "not printable" in str(err.value) and secret not in str(err.value)
+
+
+def test_the_gateway_command_line_takes_the_node_flags():
+    from modeld.server.cli import build_parser
+
+    args = build_parser().parse_args(["gateway", "--node", "a:1", "--node-tls-ca", "ca.pem", "--node-tls-cert", "c",
+                                      "--node-tls-key", "k", "--node-tls-server-name", "n",
+                                      "--node-token-file", "t"])
+    assert (args.node_tls_ca, args.node_tls_cert, args.node_tls_key, args.node_tls_server_name,
+            args.node_token_file) == ("ca.pem", "c", "k", "n", "t")
