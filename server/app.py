@@ -157,12 +157,15 @@ class Daemon:
         for name in self.engine.repository.names():
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.engine.count_daemon_memory()  # before any model: the budget holds for the whole process
+        loop = asyncio.get_running_loop()
+        self.metrics.asyncio_tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
         log.info("daemon_started", host=s.host, grpc_port=self.port, http_port=self.http_port,
                  metrics_port=self.metrics_port,
                  tls="mutual" if self.tls is not None and self.tls.mutual else "on" if self.tls is not None else "off",
                  auth=f"{len(self.auth.table)} tokens" if self.auth is not None else "off",
                  memory_budget=format_size(s.memory_budget), memory_budget_bytes=s.memory_budget,
-                 daemon_rss_bytes=own_rss(),  # outside the budget: README, "Worker processes"
+                 daemon_rss_bytes=own_rss(), daemon_bytes=self.engine.memory.daemon_bytes,  # README, "Worker processes"
                  backends={e.name: (e.availability.reason or "available") for e in self.registry.entries()})
         if s.preload:
             await self._preload()

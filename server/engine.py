@@ -8,6 +8,7 @@ backend work runs in worker threads.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import inspect
@@ -40,6 +41,7 @@ from modeld.server.request_context import current_protocol
 from modeld.server.requests import InferRequest, InferResult, ModelState, ModelStatus
 from modeld.server.stats import ModelStats
 from modeld.server.validation import validate_inputs, warmup_inputs
+from modeld.server.workers.proxy import own_rss
 from modeld.server.workers.supervisor import WorkerPolicy, WorkerSupervisor
 
 log = structlog.get_logger("modeld.engine")
@@ -112,6 +114,10 @@ class Engine:
             metrics.backend_healthy.labels(backend.name).set(1)
         # which models run in a worker process, and their restart backoff
         self.workers = WorkerSupervisor(WorkerPolicy(), metrics)
+        self._daemon_floor = 0  # the daemon's resident bytes at start, before any model
+        self._daemon_samples: collections.deque[int] = collections.deque(maxlen=5)
+        self._dropping = 0  # models being dropped: their bytes leave the process before the books
+        self._daemon_task: asyncio.Task | None = None
 
     def use_workers(self, policy: WorkerPolicy) -> None:
         """The daemon's worker settings (default isolation, load timeout, backoff)."""
@@ -374,13 +380,17 @@ class Engine:
     async def _drop(self, served: ServedModel) -> None:
         if self._served.get(served.config.name) is served:
             del self._served[served.config.name]
-        await self._drop_standby(served)
-        if served.batcher is not None:
-            await served.batcher.stop()
-        else:
-            await served.loaded.stop()
-        await _unload(served.loaded)
-        await anyio.to_thread.run_sync(release_freed_memory)
+        self._dropping += 1
+        try:
+            await self._drop_standby(served)
+            if served.batcher is not None:
+                await served.batcher.stop()
+            else:
+                await served.loaded.stop()
+            await _unload(served.loaded)
+            await anyio.to_thread.run_sync(release_freed_memory)
+        finally:
+            self._dropping -= 1
         self.memory.remove(served.key)
         self.metrics.loaded_bytes.remove(served.config.name, served.backend.name)
         self.metrics.used_bytes.set(self.memory.used)
@@ -413,18 +423,21 @@ class Engine:
         self.metrics.loaded_bytes.labels(served.config.name, served.backend.name).set(nbytes)
         self.metrics.used_bytes.set(self.memory.used)
         if self.memory.free < 0:
-            asyncio.get_running_loop().create_task(self._make_room_after_growth(served))
+            asyncio.get_running_loop().create_task(self._make_room(served))
 
-    async def _make_room_after_growth(self, served: ServedModel) -> None:
-        """A worker grew past the budget: evict idle models to bring the books
-        back under it (the grown model itself is busy or the most recent)."""
+    async def _make_room(self, grown: ServedModel | None) -> None:
+        """A worker (`grown`) or the daemon itself (None) grew past the budget:
+        evict idle models to bring the books back under it (a grown model
+        itself is busy or the most recent)."""
         async with self._memory_lock:
             if self.memory.free >= 0:
                 return
+            keep = frozenset({grown.key}) if grown is not None else frozenset()
             try:
-                victims = self.memory.plan(0, frozenset({served.key}) | self._reserved)
+                victims = self.memory.plan(0, keep | self._reserved)
             except ResourceExhausted as exc:
-                log.warning("worker_memory_over_budget", model=served.config.name, reason=str(exc))
+                log.warning("memory_over_budget", model=grown.config.name if grown is not None else "",
+                            daemon_bytes=self.memory.daemon_bytes, reason=str(exc))
                 return
             for victim in victims:
                 await self._evict(victim)
@@ -444,7 +457,56 @@ class Engine:
         await self._drop(served)
         self._notify(name, ModelState.UNAVAILABLE)
 
+    # -- the daemon's own share of the budget ---------------------------------
+
+    def count_daemon_memory(self, interval_s: float | None = None, window: int = 5) -> None:
+        """Put the daemon's own resident memory in the budget's books, from now
+        on (call at start, before any model loads), re-read every
+        `interval_s` (the workers' memory interval by default) so the books
+        follow the process as it grows: imported runtimes, arenas, caches.
+
+        The share is the least of the last `window` readings: a burst that
+        passes (a 40 MB upload held for the moment its load takes) must not
+        evict models, while growth that lasts a window is counted."""
+        self._daemon_floor = own_rss()
+        self._daemon_samples = collections.deque(maxlen=window)
+        self.refresh_daemon_bytes()
+        if self.memory.free <= 0:
+            log.warning("memory_budget_below_daemon", memory_budget_bytes=self.memory.budget,
+                        daemon_bytes=self.memory.daemon_bytes,
+                        reason="the daemon alone holds the whole budget: every load will be refused; "
+                               "raise --memory-budget")
+        interval = interval_s if interval_s is not None else self.workers.policy.memory_interval_s
+        self._daemon_task = asyncio.get_running_loop().create_task(self._follow_daemon_memory(interval))
+
+    def refresh_daemon_bytes(self) -> None:
+        """The daemon's share: its resident bytes less what its in-process
+        models hold (worker models are other processes), never less than at
+        start. Not read while a model loads or unloads in the daemon: its
+        bytes are then in the process but not (or no longer) in the books."""
+        if self._daemon_floor == 0 or self._reserved or self._unloading or self._dropping:
+            return
+        in_process = sum(self.memory.entry(key).nbytes for key in self.memory.keys_lru_first()
+                         if not self._in_worker(key))
+        self._daemon_samples.append(own_rss() - in_process)
+        self.memory.daemon_bytes = max(self._daemon_floor, min(self._daemon_samples))
+        self.metrics.daemon_bytes.set(self.memory.daemon_bytes)
+        self.metrics.used_bytes.set(self.memory.used)
+
+    def _in_worker(self, key: ModelKey) -> bool:
+        served = self._served.get(key.model)
+        return served is not None and served.backend.name == key.backend and hasattr(served.loaded, "worker")
+
+    async def _follow_daemon_memory(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.refresh_daemon_bytes()
+            if self.memory.free < 0:
+                await self._make_room(None)
+
     async def stop(self) -> None:
+        if self._daemon_task is not None:
+            self._daemon_task.cancel()
         if self._health_timer is not None:
             self._health_timer.cancel()
         for name in list(self._served):

@@ -2,8 +2,11 @@
 
 Pure bookkeeping, no I/O: the engine asks `plan` which models to evict for a
 load, unloads them, then `add`s the new one. Keys are ModelKey values.
-Invariants: the sum of `nbytes` never passes the budget; a pinned entry or
-one with requests in flight is never chosen for eviction.
+Invariants: the sum of `nbytes`, plus the daemon's own share, never passes
+the budget; a pinned entry or one with requests in flight is never chosen for
+eviction. The daemon's share (its resident memory outside every in-process
+model: interpreter, gRPC, imported runtimes) is in the books so the budget
+holds for the whole process tree, not only for the models in it.
 """
 
 from __future__ import annotations
@@ -41,11 +44,16 @@ class MemoryEntry:
 class MemoryManager:
     def __init__(self, budget: int) -> None:
         self.budget = budget
+        self.daemon_bytes = 0  # the daemon's own share, never evicted (Engine.refresh_daemon_bytes)
         # least recently used first
         self._entries: OrderedDict[ModelKey, MemoryEntry] = OrderedDict()
 
     @property
     def used(self) -> int:
+        return self.daemon_bytes + self.models_used
+
+    @property
+    def models_used(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
 
     @property
@@ -86,6 +94,7 @@ class MemoryManager:
         return (
             f"needs {format_size(nbytes)} but the memory budget is {format_size(self.budget)} "
             f"with {format_size(self.used)} in use"
+            + (f" (the daemon itself holds {format_size(self.daemon_bytes)})" if self.daemon_bytes else "")
             + (f", of which {', '.join(busy)} are pinned or busy" if busy else "")
             + "; raise --memory-budget or unload a model"
         )

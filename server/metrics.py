@@ -21,7 +21,10 @@ class Metrics:
         self.batch_size = Histogram("modeld_batch_size", "Rows per executed batch", ["model", "backend"], buckets=_BATCH_BUCKETS, registry=r)
         self.loaded_bytes = Gauge("modeld_loaded_bytes", "Bytes held by each loaded model", ["model", "backend"], registry=r)
         self.budget_bytes = Gauge("modeld_memory_budget_bytes", "The memory budget shared by all backends", registry=r)
-        self.used_bytes = Gauge("modeld_memory_used_bytes", "Bytes held by all loaded models", registry=r)
+        self.used_bytes = Gauge("modeld_memory_used_bytes", "Bytes the budget holds: every loaded model plus the daemon's own share", registry=r)
+        self.daemon_bytes = Gauge("modeld_memory_daemon_bytes", "The daemon's resident memory outside its in-process models, counted in the budget", registry=r)
+        # read at scrape time (app.py sets the function): a soak test's leak check, and an operator's
+        self.asyncio_tasks = Gauge("modeld_asyncio_tasks", "asyncio tasks alive in the daemon's event loop", registry=r)
         self.evictions = Counter("modeld_evictions", "Models evicted to make room", ["model", "backend"], registry=r)
         self.fallbacks = Counter("modeld_backend_fallbacks", "Times a backend failed and the next one was tried", ["model", "from_backend", "stage"], registry=r)
         self.backend_healthy = Gauge("modeld_backend_healthy", "0 while a backend's fallbacks have it skipped for new loads (its cool-down), else 1", ["backend"], registry=r)

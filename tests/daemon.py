@@ -131,3 +131,23 @@ def start_gateway(*nodes: str, args: tuple[str, ...] = (), env: dict | None = No
             proc.kill()
             raise RuntimeError("gateway did not start:\n" + "".join(gateway._lines[-30:]))
     return gateway
+
+
+_SHARE: list[int] = []
+
+
+def daemon_share() -> int:
+    """The bytes an idle daemon holds of its own memory budget (its resident
+    memory at start, `daemon_bytes` in its start event), measured once per
+    test run on a daemon of its own. Tests that size a budget for N models
+    add it: the budget holds for the whole process."""
+    if not _SHARE:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as empty:
+            probe = start_daemon("--no-preload", repository=Path(empty))
+            try:
+                _SHARE.append(int(probe.events("daemon_started")[0]["daemon_bytes"]))
+            finally:
+                probe.stop()
+    return _SHARE[0]

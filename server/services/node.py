@@ -77,6 +77,7 @@ class NodeService(pb_grpc.NodeServicer):
             models=models,
             memory_used_bytes=engine.memory.used,
             memory_budget_bytes=engine.memory.budget,
+            daemon_memory_bytes=engine.memory.daemon_bytes,
             in_flight=sum(m.in_flight for m in models),
             queue_depth=sum(m.queue_depth for m in models),
             kv_cells_used=sum(m.kv_cells_used for m in models),

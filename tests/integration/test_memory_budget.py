@@ -14,16 +14,22 @@ import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
 import onnx_fixtures
-from daemon import start_daemon
+from daemon import daemon_share, start_daemon
 
 MB = 1_000_000
 WEIGHTS = 10_000_000  # float32 -> a 40 MB model file
 
 
+# what an idle daemon holds of its budget, plus the few MB its first model
+# load leaves behind (runtime arenas and threads): room for two 40 MB models
+# stays whatever this process measures, and three never fit
+ROOM = 110 * MB
+
+
 @pytest.fixture
 def small_daemon(tmp_path):
-    """Room for two 40 MB models, not three."""
-    daemon = start_daemon("--no-preload", "--memory-budget", "100MB", repository=tmp_path)
+    """Room for two 40 MB models, not three, beside the daemon's own share."""
+    daemon = start_daemon("--no-preload", "--memory-budget", str(daemon_share() + ROOM), repository=tmp_path)
     yield daemon
     assert daemon.stop() == 0
 
@@ -68,7 +74,8 @@ def test_lru_eviction_sequence(small_daemon):
     _load(client, "c")
     assert _states(client) == {"a": "READY", "b": "UNAVAILABLE", "c": "READY"}
     assert _metric(small_daemon, "modeld_evictions_total", backend="onnx", model="b") == 1
-    assert _metric(small_daemon, "modeld_memory_used_bytes") == pytest.approx(80 * MB, rel=0.05)
+    models_used = _metric(small_daemon, "modeld_memory_used_bytes") - _metric(small_daemon, "modeld_memory_daemon_bytes")
+    assert models_used == pytest.approx(80 * MB, rel=0.05)
     # b was evicted, not forgotten: a request loads it again, evicting the LRU (a).
     _infer(client, "b")
     assert _states(client) == {"a": "UNAVAILABLE", "b": "READY", "c": "READY"}
@@ -82,7 +89,7 @@ def test_pinned_models_stay_and_a_load_that_cannot_fit_changes_nothing(small_dae
     assert _states(client) == {"pinned": "READY", "other": "UNAVAILABLE", "newer": "READY"}
     before = _states(client)
     with pytest.raises(InferenceServerException) as err:
-        _load(client, "huge", num_weights=3 * WEIGHTS)  # 120 MB > the whole budget
+        _load(client, "huge", num_weights=3 * WEIGHTS)  # 120 MB > the budget less the daemon's share
     assert err.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
     assert "memory budget" in err.value.message() and "--memory-budget" in err.value.message()
     after = _states(client)
@@ -115,8 +122,34 @@ def test_reported_bytes_match_rss_growth_and_unload_frees_them():
         grown = daemon.rss() - rss_before
         assert 0.6 <= grown / reported <= 1.5, (grown, reported)
         client.unload_model("minilm")
-        assert _metric(daemon, "modeld_memory_used_bytes") == 0
+        # what the books hold now is the daemon's own share, no model
+        assert _metric(daemon, "modeld_memory_used_bytes") == _metric(daemon, "modeld_memory_daemon_bytes") > 0
         freed = rss_before + grown - daemon.rss()
         assert freed >= 0.5 * reported, (freed, reported)
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_the_budget_holds_for_the_whole_process(tmp_path):
+    """The books count the daemon's own resident memory beside its models,
+    so what the process holds stays within the budget while loads evict."""
+    share = daemon_share()
+    budget = share + ROOM
+    daemon = start_daemon("--no-preload", "--memory-budget", str(budget), repository=tmp_path)
+    try:
+        client = tc.InferenceServerClient(daemon.address)
+        started = daemon.events("daemon_started")[0]
+        assert 0 < started["daemon_bytes"] <= budget
+        for name in ("p", "q", "r", "s", "p"):
+            _load(client, name)
+            _infer(client, name)
+            assert daemon.tree_rss() <= budget, (name, daemon.tree_rss(), budget)
+            daemon_bytes = _metric(daemon, "modeld_memory_daemon_bytes")
+            used = _metric(daemon, "modeld_memory_used_bytes")
+            assert daemon_bytes >= started["daemon_bytes"] * 0.99
+            assert used == pytest.approx(daemon_bytes + sum(_bytes(client, n) for n, state in _states(client).items()
+                                                            if state == "READY"), abs=1)
+            assert used <= budget
+        assert sum(state == "READY" for state in _states(client).values()) == 2
     finally:
         assert daemon.stop() == 0

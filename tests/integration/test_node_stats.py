@@ -104,7 +104,9 @@ def test_the_node_describes_itself(node, daemon):
     assert {m.name for m in stats.models} == {"minilm", "smollm2"}
     assert stats.uptime_s > 0 and not stats.draining
     assert stats.memory_budget_bytes > 0
-    assert stats.memory_used_bytes == sum(m.memory_bytes for m in stats.models)
+    # the daemon's own share is in the books beside its models: the budget holds for the whole process
+    assert stats.daemon_memory_bytes > 0
+    assert stats.memory_used_bytes == stats.daemon_memory_bytes + sum(m.memory_bytes for m in stats.models)
     assert stats.memory_used_bytes == _metric(daemon, "modeld_memory_used_bytes")
     assert (stats.gpu_memory_used_bytes, stats.gpu_memory_total_bytes) == (0, 0)  # no torch in this daemon
 

@@ -14,7 +14,7 @@ import pytest
 
 from modeld.backends import registry as registry_module
 from modeld.backends.base import Backend, Capability, LoadedModel, Verdict
-from modeld.backends.errors import BackendFailure, InvalidArgument, LoadFailed
+from modeld.backends.errors import BackendFailure, InvalidArgument, LoadFailed, ResourceExhausted
 from modeld.backends.model_config import TensorSpec
 from modeld.backends.registry import BackendRegistry
 from modeld.server.engine import Engine
@@ -149,3 +149,34 @@ async def test_invalid_input_is_rejected_before_batching(backends, tmp_path):
     with pytest.raises(InvalidArgument, match="must have shape"):
         await engine.infer(InferRequest("m", {"x": np.zeros((1, 3), np.float32)}))
     assert fast.runs == 0
+
+
+async def test_the_daemon_s_own_memory_is_in_the_books_and_its_growth_evicts_idle_models(backends, tmp_path,
+                                                                                        monkeypatch):
+    """The budget holds for the whole process: the daemon's resident bytes
+    outside its in-process models count, at start and as they grow."""
+    from modeld.server import engine as engine_module
+
+    fast, _ = backends
+    base = [400]  # the daemon's own resident bytes; each loaded model adds its 100
+    monkeypatch.setattr(engine_module, "own_rss", lambda: base[0] + fast.nbytes * (fast.loads - fast.unloads))
+    engine = _engine(tmp_path, budget=700)
+    engine.count_daemon_memory(interval_s=0.01)
+    try:
+        assert engine.memory.daemon_bytes == 400 and engine.memory.used == 400
+        m = await engine.load("m")
+        await engine.load("n")
+        engine.refresh_daemon_bytes()
+        assert engine.memory.daemon_bytes == 400 and engine.memory.used == 600
+        assert engine.metrics.daemon_bytes._value.get() == 400
+        with pytest.raises(ResourceExhausted, match="the daemon itself holds 400"):
+            engine.memory.plan(400)  # evicting both models leaves 300: the daemon's share is never freed
+        # the daemon grows by 150 outside any model (a runtime imported, say):
+        # the books pass the budget, so the idle least recently used model goes
+        base[0] = 550
+        await asyncio.wait_for(_until(lambda: m.key not in engine.memory), 5)
+        assert engine.state_of("n") is ModelState.READY and fast.unloads == 1
+        assert engine.memory.daemon_bytes == 550 and engine.memory.used == 650 <= engine.memory.budget
+        assert m.key not in engine.memory
+    finally:
+        await engine.stop()

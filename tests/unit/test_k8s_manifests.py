@@ -30,8 +30,8 @@ K8S = ROOT / "deploy" / "k8s"
 CONTAINERFILE = ROOT / "deploy" / "Containerfile"
 KUSTOMIZATION = "kustomization.yaml"
 PORT_NAMES = ("grpc", "http", "metrics")  # container port name == CLI flag --<name>-port
-# Memory the daemon's budget does not count: the interpreter with torch,
-# onnxruntime and llama.cpp loaded, torch.compile's workspace, request buffers.
+# Memory too short-lived for the budget's books (which count the daemon's
+# own share and its models): torch.compile's workspace, request buffers.
 MIN_MEMORY_HEADROOM = 1024**3
 MIN_STARTUP_S = 120  # importing torch and llama.cpp on a cold node
 WORKLOAD_KINDS = ("StatefulSet", "Deployment")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from modeld.backends.errors import ResourceExhausted
-from modeld.server.memory import MemoryManager
+from modeld.server.memory import MemoryManager, ModelKey
 
 MiB = 1024**2
 
@@ -174,3 +174,15 @@ def test_eviction_sequence_two_model_budget():
     mm.add("onnx/C", 100 * MiB)
     assert mm.keys_lru_first() == ["onnx/A", "onnx/C"]
     assert mm.free == 0
+
+
+def test_the_daemon_s_own_share_counts_in_used_and_in_what_a_load_may_take():
+    mm = MemoryManager(budget=1000)
+    mm.daemon_bytes = 300
+    mm.add(ModelKey("onnx", "a"), 400)
+    assert mm.used == 700 and mm.models_used == 400 and mm.free == 300
+    # 500 more fits only by evicting a: the daemon's 300 is never a victim
+    assert mm.plan(500) == [ModelKey("onnx", "a")]
+    with pytest.raises(ResourceExhausted) as info:
+        mm.plan(800)
+    assert "the daemon itself holds 300" in str(info.value)
