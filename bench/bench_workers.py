@@ -17,11 +17,13 @@ placements even when neighbours make the wall clock useless.
 
 Goals (issue 11): p50 in a worker at most 0.3 ms above in-process, and
 generation in a worker at least 0.97x in-process. Reported, not asserted.
-Writes bench/results/workers.json.
+Writes bench/results/workers.json; `--only latency` measures minilm alone
+(no smollm2 models, a quick check) and writes nothing.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -61,7 +63,7 @@ n_threads = 2
 """
 
 
-def _repository(root: Path) -> None:
+def _repository(root: Path, generation: bool = True) -> None:
     minilm = (MODELS / "minilm" / "model.toml").read_text()
     for suffix, isolation in (("", "in-process"), ("-worker", "process")):
         folder = root / f"minilm{suffix}"
@@ -70,6 +72,8 @@ def _repository(root: Path) -> None:
             minilm.replace('format = "onnx"', f'format = "onnx"\nisolation = "{isolation}"', 1))
         for artifact in ("model.onnx", "tokenizer.json"):
             (folder / artifact).symlink_to((MODELS / "minilm" / artifact).resolve())
+        if not generation:
+            continue
         folder = root / f"smollm2{suffix}"
         folder.mkdir()
         (folder / "model.toml").write_text(LLM_TOML.format(isolation=isolation))
@@ -133,18 +137,21 @@ async def _generation_tok_s(address: str, model: str) -> float:
         return sum(tokens) / (time.perf_counter() - start)
 
 
-def main() -> dict:
+def main(argv: list[str] | None = None) -> dict:
     import tritonclient.grpc as tc
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["latency"], help="measure minilm's latency alone (writes no results)")
+    only_latency = parser.parse_args(argv).only == "latency"
     with tempfile.TemporaryDirectory(prefix="bench-workers-") as tmp:
-        _repository(Path(tmp))
+        _repository(Path(tmp), generation=not only_latency)
         daemon = start_daemon("--http-port", "-1", "--metrics-port", "-1", "--memory-budget", "8GiB",
                               repository=Path(tmp))
         try:
             client = tc.InferenceServerClient(daemon.address)
             for model in ("minilm", "minilm-worker"):
                 _latencies(client, model, 30)  # warm-up
-            for model in ("smollm2", "smollm2-worker"):
+            for model in () if only_latency else ("smollm2", "smollm2-worker"):
                 asyncio.run(_generation_tok_s(daemon.address, model))
             lat = {"in-process": [], "process": []}
             gen = {"in-process": [], "process": []}
@@ -159,18 +166,28 @@ def main() -> dict:
                     lat[key] += _latencies(client, model, LATENCY_BLOCK)
                     cpu_lat[key] += _cpu_s(pids) - before
                 order = (("smollm2", "in-process"), ("smollm2-worker", "process"))
-                for model, key in order if round_ % 2 == 0 else reversed(order):
+                for model, key in () if only_latency else order if round_ % 2 == 0 else reversed(order):
                     pids = _pids(daemon, model)
                     before = _cpu_s(pids)
                     gen[key].append(asyncio.run(_generation_tok_s(daemon.address, model)))
                     cpu_gen[key] += _cpu_s(pids) - before
                 loads.append(os.getloadavg()[0])
+                tok_s = "" if only_latency else (f"; tok/s in-process {gen['in-process'][-1]:.1f} "
+                                                 f"worker {gen['process'][-1]:.1f}")
                 print(f"round {round_ + 1}/{ROUNDS}: p50 ms in-process {np.median(lat['in-process']) * 1e3:.3f} "
-                      f"worker {np.median(lat['process']) * 1e3:.3f}; tok/s in-process {gen['in-process'][-1]:.1f} "
-                      f"worker {gen['process'][-1]:.1f}; load {loads[-1]:.1f}", file=sys.stderr, flush=True)
+                      f"worker {np.median(lat['process']) * 1e3:.3f}{tok_s}; load {loads[-1]:.1f}",
+                      file=sys.stderr, flush=True)
             client.close()
         finally:
             daemon.stop()
+
+    if only_latency:
+        p50 = {k: float(np.median(v) * 1e3) for k, v in lat.items()}
+        result = {"minilm_p50_ms": p50, "minilm_p50_delta_ms": p50["process"] - p50["in-process"],
+                  "cpu_ms_per_request": {k: v * 1e3 / len(lat[k]) for k, v in cpu_lat.items()},
+                  "load_average_during": loads}
+        print(json.dumps(result, indent=2))
+        return result
 
     def q(values, p):
         return float(np.percentile(np.array(values) * 1e3, p))

@@ -2,8 +2,9 @@
 
 Loads one model with its backend's own `load` (the same code an in-process
 model runs) and serves the daemon's requests over the inherited socket until
-told to exit or the daemon goes away. Tensor batches run inline, one at a
-time (the daemon's batcher sends one at a time); generation runs in the
+told to exit or the daemon goes away. Tensor batches run inline on the
+channel's reader thread, one at a time (the daemon's batcher sends one at a
+time), with no event-loop hop on the way in or out; generation runs in the
 backend's own loop and streams its events back, and a cancel from the
 daemon closes the stream, which frees the sequence at the next step.
 """
@@ -18,13 +19,14 @@ import os
 import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 
 import structlog
 
 from modeld.backends.base import GenerativeModel
 from modeld.backends.errors import BackendFailure, LoadFailed, ModeldError
-from modeld.server.workers.frames import FrameProtocol, connect
+from modeld.server.workers.frames import ThreadChannel
 
 log = structlog.get_logger("modeld.worker")
 
@@ -55,7 +57,7 @@ class _ForwardingObserver:
     """The generation loop's figures, sent to the daemon's GenerationMetrics,
     with the loop's step counts (the daemon mirrors them for tests)."""
 
-    def __init__(self, out: FrameProtocol, loop) -> None:
+    def __init__(self, out: ThreadChannel, loop) -> None:
         self.out, self.loop = out, loop
 
     def _counts(self) -> tuple[int, int, int]:
@@ -73,10 +75,11 @@ class _ForwardingObserver:
 
 
 class Worker:
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, sock: socket.socket) -> None:
         self.model = model
-        self.out = FrameProtocol(self.dispatch, self.channel_lost)
+        self.out = ThreadChannel(sock, asyncio.get_running_loop(), self.inline, self.dispatch, self.channel_lost)
         self.loaded = None
+        self._model_lock = threading.Lock()  # a batch never runs while the model unloads
         self.streams: dict[int, asyncio.Task] = {}
         self.done = asyncio.Event()
 
@@ -85,17 +88,29 @@ class Worker:
             log.info("worker_daemon_gone", model=self.model, reason=str(exc or "end of stream"))
             self.done.set()  # the daemon exited or closed the channel: nothing left to serve
 
+    def inline(self, message: tuple) -> bool:
+        """On the channel's reader thread: run a tensor batch there and answer
+        at once (the daemon sends one batch at a time; a hop to the event
+        loop would only add latency). False: the loop takes the message."""
+        if message[0] != "execute":
+            return False
+        rid = message[1]
+        try:
+            with self._model_lock:
+                reply = ("ok", rid, self.loaded.execute(message[2], message[3]))
+        except Exception as exc:  # noqa: BLE001 - sent back as its status
+            reply = error_reply(rid, exc)
+        try:
+            self.out.send_now(reply)
+        except ConnectionResetError:
+            pass  # the daemon is gone; the reader reports it
+        except Exception as exc:  # noqa: BLE001 - outputs that cannot be sent: their status instead
+            self.out.send_now(error_reply(rid, exc))
+        return True
+
     def dispatch(self, message: tuple) -> None:
         op, rid = message[0], message[1]
-        if op == "execute":
-            # inline, on this thread: the daemon sends one batch at a time, and
-            # a thread hop would only add latency
-            try:
-                reply = ("ok", rid, self.loaded.execute(message[2], message[3]))
-            except Exception as exc:  # noqa: BLE001 - sent back as its status
-                reply = error_reply(rid, exc)
-            self.out.send_now(reply)
-        elif op == "generate":
+        if op == "generate":
             self.streams[rid] = asyncio.get_running_loop().create_task(self.generate(rid, message[2]))
         elif op == "cancel":
             task = self.streams.pop(rid, None)
@@ -168,9 +183,13 @@ class Worker:
             task.cancel()
         if self.loaded is not None:
             try:
-                await asyncio.to_thread(self.loaded.unload)
+                await asyncio.to_thread(self._unload)
             except Exception as exc:  # noqa: BLE001 - the process ends anyway
                 raise BackendFailure(f"unload failed: {exc}") from exc
+
+    def _unload(self) -> None:
+        with self._model_lock:
+            self.loaded.unload()
 
 
 def _die_with_parent() -> None:
@@ -185,8 +204,8 @@ def _die_with_parent() -> None:
 
 
 async def _amain(fd: int, model: str) -> None:
-    worker = Worker(model)
-    await connect(worker.out, socket.socket(fileno=fd))
+    worker = Worker(model, socket.socket(fileno=fd))
+    worker.out.start()
     await worker.done.wait()
 
 

@@ -163,3 +163,43 @@ def test_auto_puts_native_llm_runtimes_in_a_worker():
     assert not auto.isolates(Named("llamacpp"), config_from_dict("m", {"isolation": "in-process"}))
     assert not auto.isolates(Named("vllm"), config_from_dict("m", {"isolation": "process"}))
     assert not WorkerSupervisor(WorkerPolicy("in-process"), Metrics()).isolates(Named("torch"), plain)
+
+
+async def test_thread_channel_answers_inline_and_hands_the_rest_to_the_loop():
+    from modeld.server.workers.frames import ThreadChannel
+
+    ours, theirs = socket.socketpair()
+    received, lost, loop_msgs = [], [], []
+    daemon_end = await connect(FrameProtocol(received.append, lost.append), ours)
+    channel = None
+
+    def inline(message) -> bool:
+        if message[0] != "execute":
+            return False
+        channel.send_now(("ok", message[1], {"y": message[2]["x"] * 2}))
+        return True
+
+    channel = ThreadChannel(theirs, asyncio.get_running_loop(), inline, loop_msgs.append, lost.append)
+    channel.start()
+    x = np.arange(6, dtype=np.int64).reshape(2, 3)
+    daemon_end.send_now(("execute", 1, {"x": x}, ("y",)))
+    daemon_end.send_now(("generate", 2, "prompt"))
+    for _ in range(200):
+        if received and loop_msgs:
+            break
+        await asyncio.sleep(0.01)
+    np.testing.assert_array_equal(received[0][2]["y"], x * 2)
+    assert loop_msgs == [("generate", 2, "prompt")]
+    channel.send(("event", 2, "token"))  # coalesced, flushed on the next turn
+    for _ in range(200):
+        if len(received) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert received[1] == ("event", 2, "token")
+    await daemon_end.close()  # the daemon goes away: the worker's end reports it
+    for _ in range(200):
+        if len(lost) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert lost == [None, None]
+    await channel.close()
