@@ -73,8 +73,9 @@ test-remote: models vllm-env $(HF_SMOLLM2)
 test-all: models node vllm-env $(HF_SMOLLM2)
 	$(BIN)/pytest -m '' $(PYTEST_ARGS)
 
-# tests/stress at full size (`make test` runs them short): 6,000 fuzzed
-# messages per RPC and kind, 1,000 load/evict cycles; figures in bench/results/stress.json
+# tests/stress at full size (`make test` runs them short): 6,000 field-level
+# fuzzed messages per RPC, 5,000 raw ones (mutated and random) on every RPC,
+# 1,000 load/evict cycles, a 10-minute soak; figures in bench/results/stress.json
 stress: models
 	MODELD_STRESS_SCALE=20 MODELD_STRESS_RESULTS=bench/results/stress.json MODELD_STRESS_COMMAND="make stress" \
 		$(BIN)/pytest -m stress tests/stress $(PYTEST_ARGS)

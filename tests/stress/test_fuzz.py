@@ -35,13 +35,17 @@ from stress.stress_config import record, scaled
 
 pytestmark = pytest.mark.stress
 
-MESSAGES = scaled(300)
+MESSAGES = scaled(300)  # field-level messages per RPC and kind
+# raw bytes per RPC and kind (mutated valid requests, random bytes): 2,500 of
+# each at `make stress` scale, 5,000 per RPC, on every RPC the daemon serves
+RAW_MESSAGES = scaled(125)
 CHECK_EVERY = 100  # calls between checks that the daemon still serves
 CALL_TIMEOUT_S = 30
 STREAM_READS = 4  # responses read from a streaming call before leaving it (watches: 1)
 NEVER = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 
 FUZZ = settings(max_examples=MESSAGES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+RAW_FUZZ = settings(FUZZ, max_examples=RAW_MESSAGES)
 
 LLM_TOML = """\
 format = "gguf"
@@ -76,6 +80,7 @@ class Tally:
     def __init__(self, daemon, channel) -> None:
         self.daemon, self.channel = daemon, channel
         self.codes: collections.Counter = collections.Counter()
+        self.raw_by_method: collections.Counter = collections.Counter()
         self.calls = 0
 
     def saw(self, what: str, code: grpc.StatusCode, details: str = "") -> None:
@@ -112,7 +117,9 @@ def tally(daemon, channel):
     tally = Tally(daemon, channel)
     yield tally
     tally.check_serving()
-    record("fuzz", {"messages_per_rpc_and_kind": MESSAGES, "calls": tally.calls, "statuses": dict(tally.codes)})
+    record("fuzz", {"messages_per_rpc_and_kind": MESSAGES, "raw_messages_per_rpc_and_kind": RAW_MESSAGES,
+                    "calls": tally.calls, "statuses": dict(tally.codes),
+                    "raw_calls_by_method": dict(sorted(tally.raw_by_method.items()))})
 
 
 def _unary(tally: Tally, what: str, call) -> None:
@@ -256,6 +263,7 @@ def _seeds(method: str) -> tuple[bool, list[bytes]]:
 
 def _send_raw(channel, tally: Tally, method: str, streaming: bool, data: bytes) -> None:
     what = f"{method} {data[:80]!r}"
+    tally.raw_by_method[method] += 1
     if streaming:
         # a watch answers once, then only on a change: one response is all it owes
         reads = 1 if method.endswith("Watch") or method.endswith("WatchStats") else STREAM_READS
@@ -268,7 +276,7 @@ def _send_raw(channel, tally: Tally, method: str, streaming: bool, data: bytes) 
 def test_mutated_requests(channel, tally, method):
     streaming, seeds = _seeds(method)
 
-    @FUZZ
+    @RAW_FUZZ
     @given(fs.mutated(seeds))
     def run(data):
         _send_raw(channel, tally, method, streaming, data)
@@ -280,7 +288,7 @@ def test_mutated_requests(channel, tally, method):
 def test_random_bytes(channel, tally, method):
     streaming, _ = _seeds(method)
 
-    @FUZZ
+    @RAW_FUZZ
     @given(st.binary(max_size=512))
     def run(data):
         _send_raw(channel, tally, method, streaming, data)
