@@ -44,7 +44,14 @@ class TextEncoder:
         strings = [_decode(t) for t in texts.reshape(-1)]
         if pairs is not None:
             strings = list(zip(strings, [_decode(t) for t in pairs.reshape(-1)]))
-        encodings = self._tokenizer.encode_batch(strings)
+        if len(strings) == 1:
+            # One sentence (a lone request): encode_batch would hand it to the
+            # tokenizers thread pool and wait for it, two thread hand-offs
+            # (and pool threads left spinning) for nothing; same encodings.
+            one = strings[0]
+            encodings = [self._tokenizer.encode(*one) if pairs is not None else self._tokenizer.encode(one)]
+        else:
+            encodings = self._tokenizer.encode_batch(strings)
         order = sorted(range(len(encodings)), key=lambda i: len(encodings[i].ids))
         buckets, current = [], []
         for index in order:

@@ -21,6 +21,7 @@ compared are measured in alternating rounds (daemon block, in-process block,
 daemon block, ...) rather than one after the other, so that a neighbour
 process that wakes up mid-run slows every variant alike instead of skewing the
 ratio; each figure is tagged with the load average seen while it was taken.
+`--only latency` runs section 1 alone and writes no results file (a quick A/B).
 Figures are printed, written to bench/results/minilm.json and drawn in
 bench/results/minilm.png. Goals are reported as pass/fail, never asserted: a
 benchmark on a shared 2-core machine is a report, not a test.
@@ -28,6 +29,7 @@ benchmark on a shared 2-core machine is a report, not a test.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import importlib.metadata
 import json
@@ -342,7 +344,7 @@ def interleaved_throughput(blocks: dict[str, Callable[[], tuple[int, float, list
 
 # --------------------------------------------------------------------------- the run
 
-def measure(daemon: Daemon, sentences: list[str], results: dict) -> None:
+def measure(daemon: Daemon, sentences: list[str], results: dict, only_latency: bool = False) -> None:
     import tritonclient.grpc as grpcclient
 
     port = daemon.wait_started()
@@ -368,6 +370,8 @@ def measure(daemon: Daemon, sentences: list[str], results: dict) -> None:
         for name, r in lat.items():
             print(f"latency {name:<30} p50 {r['p50_ms']:6.2f} ms  p99 {r['p99_ms']:6.2f} ms  "
                   f"(load {r['load_avg_1m_after']})")
+        if only_latency:
+            return
 
         st_model = load_sentence_transformer()
         st_model.encode(sentences[:16])  # warm-up; the daemon blocks warm up in their ramp
@@ -395,20 +399,42 @@ def measure(daemon: Daemon, sentences: list[str], results: dict) -> None:
 
 
 def goals(r: dict) -> dict:
-    lat_d, lat_i = r["latency"]["daemon"]["p50_ms"], r["latency"]["inproc_onnxruntime"]["p50_ms"]
+    ratio, latency_limit, latency_ok = latency_goal(r)
     on = r["throughput"]["batching_on"]["requests_per_s"]
     off = r["throughput"]["batching_off"]["requests_per_s"]
     st = r["throughput"]["sentence_transformers_one_at_a_time"]["requests_per_s"]
-    latency_limit = 1.15 * lat_i + 0.5
     return {
-        "latency_p50_daemon_over_inproc": lat_d / lat_i,
+        "latency_p50_daemon_over_inproc": ratio,
         "latency_p50_limit_ms": latency_limit,
-        "latency_p50_goal_pass": lat_d <= latency_limit,
+        "latency_p50_goal_pass": latency_ok,
         "batching_on_over_off": on / off,
         "batching_speedup_goal_pass": on / off >= 3.0,
         "batching_on_over_sentence_transformers": on / st,
         "beats_sentence_transformers_goal_pass": on >= st,
     }
+
+
+def latency_goal(r: dict) -> tuple[float, float, bool]:
+    """(daemon p50 / in-process p50, the limit in ms, pass) for section 1."""
+    lat_d, lat_i = r["latency"]["daemon"]["p50_ms"], r["latency"]["inproc_onnxruntime"]["p50_ms"]
+    limit = 1.15 * lat_i + 0.5
+    return lat_d / lat_i, limit, lat_d <= limit
+
+
+def print_latency_summary(r: dict) -> None:
+    """The summary of an `--only latency` run: section 1's goal, the empty RPC, the load."""
+    lat = r["latency"]
+    ratio, limit, ok = latency_goal(r)
+    print("\n== summary (latency only; no results file written)")
+    print(f"latency p50: daemon {lat['daemon']['p50_ms']:.2f} ms vs in-process "
+          f"{lat['inproc_onnxruntime']['p50_ms']:.2f} ms (x{ratio:.2f}); "
+          f"goal <= 1.15 x in-process + 0.5 = {limit:.2f} ms: {'PASS' if ok else 'FAIL'}")
+    print(f"  (an empty gRPC call, ServerLive, takes p50 {lat['daemon_empty_rpc_server_live']['p50_ms']:.2f} ms of that)")
+    print(f"daemon exit code {r['daemon_exit_code']}; {len(r['daemon_log_problems'])} warning/error "
+          f"log lines; load average {r['machine']['load_avg_at_start'][0]:.2f} at start, "
+          f"{r['machine']['load_avg_at_end'][0]:.2f} at end")
+    for line in (r["daemon_log_problems"] + r["daemon_other_stderr"])[:10]:
+        print(f"  daemon: {line[:300]}")
 
 
 def print_summary(r: dict) -> None:
@@ -471,7 +497,17 @@ def plot(r: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["latency"],
+                        help="measure only this section (1, latency): no throughput, no "
+                             "sentence-transformers, and no results file or plot written")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    only_latency = args.only == "latency"
     sentences = make_sentences()
     results: dict = {
         "command": [sys.executable, *sys.argv],
@@ -490,13 +526,16 @@ def main() -> int:
 
     daemon = Daemon()
     try:
-        measure(daemon, sentences, results)
+        measure(daemon, sentences, results, only_latency)
     finally:
         results["daemon_exit_code"] = daemon.stop()
         results["daemon_log_problems"] = daemon.problems
         results["daemon_other_stderr"] = daemon.other_stderr
         results["daemon_events"] = daemon.events
     results["machine"]["load_avg_at_end"] = list(os.getloadavg())
+    if only_latency:
+        print_latency_summary(results)
+        return 0
     results["goals"] = goals(results)
     print_summary(results)
 

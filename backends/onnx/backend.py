@@ -53,10 +53,16 @@ class OnnxModel(GraphModel):
         options.intra_op_num_threads = opts.intra_op_threads
         options.inter_op_num_threads = opts.inter_op_threads
         options.log_severity_level = 3
-        # Spinning worker threads answer the next run sooner (measured here:
-        # minilm p50 5.9 ms spinning, 8.2 ms not) at the cost of CPU between
-        # runs; `allow_spinning = 0` under [onnx] trades back.
+        # Spinning worker threads pick up the next parallel section sooner
+        # (measured here: minilm p50 5.9 ms spinning, 8.2 ms not) at the cost
+        # of CPU; `allow_spinning = 0` under [onnx] trades back.
         options.add_session_config_entry("session.intra_op.allow_spinning", str(opts.allow_spinning))
+        # ...but only within a run: a worker still spinning after the run has
+        # returned holds a core while the daemon answers (gRPC, the event loop,
+        # and on one host the client itself), and on a 2-core machine that
+        # doubled the overhead around a minilm request (p50 4.5 ms -> 2.5 ms
+        # with this, under load). The next run wakes the workers, once.
+        options.add_session_config_entry("session.force_spinning_stop", "1")
         path = model_dir / config.artifact_path
         rss_before = process_rss()
         try:
