@@ -92,6 +92,7 @@ bench: models vllm-env infinity-env llama-peer $(HF_SMOLLM2)
 	$(BIN)/python bench/bench_remote.py
 	$(BIN)/python bench/bench_infinity.py
 	$(BIN)/python bench/bench_torch_vllm.py
+	$(BIN)/python bench/bench_workers.py
 
 proto: $(STAMP)
 	$(BIN)/python gen/build.py
