@@ -172,6 +172,14 @@ def next_frame(buf: bytearray) -> object:
         raise FrameError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
 
 
+def _take_pending(channel) -> list:
+    """What a channel's flush writes: the frames queued since the last one,
+    or nothing once the channel closed (they are dropped)."""
+    channel._scheduled = False
+    parts, channel._pending = channel._pending, []
+    return [] if channel.closed else parts
+
+
 class FrameProtocol(asyncio.Protocol):
     """Both ends of the channel: parses frames as bytes arrive and hands each
     message to `on_message` at once, on the event loop's own callback (no
@@ -239,12 +247,9 @@ class FrameProtocol(asyncio.Protocol):
         self.flush()
 
     def flush(self) -> None:
-        self._scheduled = False
-        if not self._pending or self.closed:
-            self._pending = []
-            return
-        parts, self._pending = self._pending, []
-        self.transport.writelines(parts)
+        parts = _take_pending(self)
+        if parts:
+            self.transport.writelines(parts)
 
     async def close(self) -> None:
         """Send what is queued, then close; returns once the socket is closed."""
@@ -348,11 +353,9 @@ class ThreadChannel:
         self._write(encode(message))
 
     def flush(self) -> None:
-        self._scheduled = False
-        if not self._pending or self.closed:
-            self._pending = []
+        parts = _take_pending(self)
+        if not parts:
             return
-        parts, self._pending = self._pending, []
         try:
             self._write(parts)
         except ConnectionResetError:
