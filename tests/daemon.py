@@ -151,3 +151,13 @@ def daemon_share() -> int:
             finally:
                 probe.stop()
     return _SHARE[0]
+
+
+def add_small_smollm2(root: Path, n_ctx: int = 4096, n_slots: int = 4, context_length: int = 2048) -> None:
+    """smollm2 on llama.cpp with a small KV cache, in the test repository
+    `root`: the full repository's models would load for a minute first."""
+    (root / "smollm2").mkdir()
+    (root / "smollm2" / "model.gguf").symlink_to((MODELS / "smollm2" / "model.gguf").resolve())
+    (root / "smollm2" / "model.toml").write_text(
+        'format = "gguf"\nbackends = ["llamacpp"]\nartifact = "model.gguf"\n[llamacpp]\n'
+        f"n_ctx = {n_ctx}\nn_slots = {n_slots}\ncontext_length = {context_length}\nn_threads = 2\n")

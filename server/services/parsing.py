@@ -166,27 +166,27 @@ def _client_request_id(context) -> str | None:
     return None
 
 
+async def _parse_or_refuse(data: bytes, context, deserializer, on_invalid: OnInvalid):
+    """The request in `data`, or the call aborted with INVALID_ARGUMENT."""
+    try:
+        request = parse_request(deserializer, data)
+    except UndecodableRequest as exc:
+        await _refuse(context, exc, on_invalid)
+    _request_nbytes.set(len(data))
+    return request
+
+
 def _unary_unary(behaviour, deserializer, on_invalid):
     @functools.wraps(behaviour)
     async def handler(data, context):
-        try:
-            request = parse_request(deserializer, data)
-        except UndecodableRequest as exc:
-            await _refuse(context, exc, on_invalid)
-        _request_nbytes.set(len(data))
-        return await behaviour(request, context)
+        return await behaviour(await _parse_or_refuse(data, context, deserializer, on_invalid), context)
     return handler
 
 
 def _unary_stream(behaviour, deserializer, on_invalid):
     @functools.wraps(behaviour)
     async def handler(data, context):
-        try:
-            request = parse_request(deserializer, data)
-        except UndecodableRequest as exc:
-            await _refuse(context, exc, on_invalid)
-        _request_nbytes.set(len(data))
-        async for response in behaviour(request, context):
+        async for response in behaviour(await _parse_or_refuse(data, context, deserializer, on_invalid), context):
             yield response
     return handler
 

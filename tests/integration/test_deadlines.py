@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import onnx_fixtures
-from daemon import MODELS, ROOT, start_daemon
+from daemon import ROOT, add_small_smollm2, start_daemon
 from modeld.gen import generation_pb2 as g
 from modeld.gen import generation_pb2_grpc as gg
 from modeld.gen import inference_pb2 as pb
@@ -31,17 +31,6 @@ from modeld.gen import inference_pb2_grpc as pb_grpc
 from modeld.gen import node_pb2, node_pb2_grpc
 
 QUEUE_DELAY_S = 1.5
-
-LLM_TOML = """\
-format = "gguf"
-backends = ["llamacpp"]
-artifact = "model.gguf"
-[llamacpp]
-n_ctx = 4096
-n_slots = 4
-context_length = 2048
-n_threads = 2
-"""
 
 
 def _tensor_model(root, name: str, batching: str) -> None:
@@ -56,9 +45,7 @@ def daemon(tmp_path_factory):
     # a lone request waits QUEUE_DELAY_S in the batcher for company
     _tensor_model(root, "waiting", f"max_batch_size = 8\nmax_queue_delay_us = {int(QUEUE_DELAY_S * 1e6)}")
     _tensor_model(root, "prompt", "max_batch_size = 8")
-    (root / "smollm2").mkdir()
-    (root / "smollm2" / "model.gguf").symlink_to((MODELS / "smollm2" / "model.gguf").resolve())
-    (root / "smollm2" / "model.toml").write_text(LLM_TOML)
+    add_small_smollm2(root)
     proc = start_daemon(repository=root, env={"MODELD_DRAIN_DELAY_S": "0"})
     yield proc
     proc.stop()

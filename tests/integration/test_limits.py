@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import onnx_fixtures
-from daemon import MODELS, start_daemon
+from daemon import add_small_smollm2, start_daemon
 from modeld.backends.errors import InvalidArgument
 from modeld.backends.model_config import config_from_dict, config_from_json
 from modeld.gen import generation_pb2 as g
@@ -24,16 +24,6 @@ from modeld.gen import inference_pb2 as pb
 from modeld.gen import inference_pb2_grpc as pb_grpc
 from modeld.server.config import ConfigError, load_settings
 
-LLM_TOML = """\
-format = "gguf"
-backends = ["llamacpp"]
-artifact = "model.gguf"
-[llamacpp]
-n_ctx = 4096
-n_slots = 4
-context_length = 2048
-n_threads = 2
-"""
 DAEMON_CAP = 4096
 MESSAGE_CAP = 64 * 1024
 
@@ -50,9 +40,7 @@ def daemon(tmp_path_factory):
     _tensor_model(root, "plain")
     _tensor_model(root, "capped", '[limits]\nmax_request_bytes = "1KiB"')
     _tensor_model(root, "roomy", '[limits]\nmax_request_bytes = "32KiB"')
-    (root / "smollm2").mkdir()
-    (root / "smollm2" / "model.gguf").symlink_to((MODELS / "smollm2" / "model.gguf").resolve())
-    (root / "smollm2" / "model.toml").write_text(LLM_TOML)
+    add_small_smollm2(root)
     proc = start_daemon("--max-streams", "2", repository=root,
                         env={"MODELD_MAX_REQUEST_BYTES": str(DAEMON_CAP), "MODELD_MAX_MESSAGE_BYTES": "64KiB",
                              "MODELD_DRAIN_DELAY_S": "0"})

@@ -14,24 +14,13 @@ import urllib.request
 import grpc
 import pytest
 
-from daemon import MODELS, start_daemon
+from daemon import MODELS, add_small_smollm2, start_daemon
 from modeld.clients import AsyncClient, Client
 from modeld.gen import generation_pb2 as g
 from modeld.gen import generation_pb2_grpc as gg
 from modeld.gen import inference_pb2 as pb
 from modeld.gen import inference_pb2_grpc as pb_grpc
 from modeld.gen import node_pb2, node_pb2_grpc
-
-LLM_TOML = """\
-format = "gguf"
-backends = ["llamacpp"]
-artifact = "model.gguf"
-[llamacpp]
-n_ctx = 4096
-n_slots = 4
-context_length = 2048
-n_threads = 2
-"""
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +29,7 @@ def daemon(tmp_path_factory):
     model would compile for a minute before this module could start."""
     root = tmp_path_factory.mktemp("repo")
     (root / "minilm").symlink_to(MODELS / "minilm", target_is_directory=True)
-    (root / "smollm2").mkdir()
-    (root / "smollm2" / "model.gguf").symlink_to((MODELS / "smollm2" / "model.gguf").resolve())
-    (root / "smollm2" / "model.toml").write_text(LLM_TOML)
+    add_small_smollm2(root)
     proc = start_daemon(repository=root, env={"MODELD_DRAIN_DELAY_S": "1.0"})
     yield proc
     proc.stop()

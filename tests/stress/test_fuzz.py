@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import onnx_fixtures
-from daemon import MODELS, start_daemon
+from daemon import MODELS, add_small_smollm2, start_daemon
 from modeld.gen import generation_pb2 as g
 from modeld.gen import generation_pb2_grpc as gg
 from modeld.gen import inference_pb2 as pb
@@ -47,17 +47,6 @@ NEVER = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 FUZZ = settings(max_examples=MESSAGES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 RAW_FUZZ = settings(FUZZ, max_examples=RAW_MESSAGES)
 
-LLM_TOML = """\
-format = "gguf"
-backends = ["llamacpp"]
-artifact = "model.gguf"
-[llamacpp]
-n_ctx = 2048
-n_slots = 2
-context_length = 1024
-n_threads = 2
-"""
-
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
@@ -66,9 +55,7 @@ def daemon(tmp_path_factory):
     (root / "add" / "model.onnx").write_bytes(onnx_fixtures.add_fp32())
     (root / "add" / "model.toml").write_text('format = "onnx"\nbackends = ["onnx"]\n[batching]\nmax_batch_size = 8\n')
     (root / "minilm").symlink_to(MODELS / "minilm", target_is_directory=True)
-    (root / "smollm2").mkdir()
-    (root / "smollm2" / "model.gguf").symlink_to((MODELS / "smollm2" / "model.gguf").resolve())
-    (root / "smollm2" / "model.toml").write_text(LLM_TOML)
+    add_small_smollm2(root, n_ctx=2048, n_slots=2, context_length=1024)
     proc = start_daemon(repository=root, env={"MODELD_DRAIN_DELAY_S": "0"})
     yield proc
     assert proc.stop() == 0
