@@ -5,7 +5,8 @@ Sides, each a server on loopback, all started once and kept up; in each
 round every side in turn (racing.round_order rotates who goes first) is
 driven by 32 concurrent clients sending one sentence per request for
 --block-s seconds after a short unmeasured ramp, while the others sit idle
-(their CPU time during the block is recorded to show it):
+(each block starts once every server is idle, racing.settle; their CPU time
+during the block is recorded to show it):
   modeld             `minilm` over gRPC (stock tritonclient.grpc.aio, as
                      bench_minilm.py: dynamic batching on, 2 onnxruntime threads)
   infinity_torch     `infinity_emb v2 --engine torch --device cpu --no-bettertransformer`
@@ -49,7 +50,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_minilm as bm  # noqa: E402
-from racing import goal, machine, median_ratio, round_order  # noqa: E402
+from racing import goal, machine, median_ratio, round_order, settle  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 VENV = Path(os.environ.get("INFINITY_VENV", ROOT / ".venv-infinity"))
@@ -269,11 +270,13 @@ def main() -> None:
         for index in range(args.rounds):
             row: dict = {"order": round_order(SIDES, index)}
             for name in row["order"]:
+                settled_s = settle([daemon.proc.pid, *(server.proc.pid for server in servers.values())])
                 others = {o: cpu_s(o) for o in SIDES if o != name}
                 done, elapsed, errors = blocks[name]()
                 row[name] = {"requests_per_s": round(done / elapsed, 2), "requests": done, "errors": len(errors),
                              "first_errors": errors[:2], "load_avg_1m": round(os.getloadavg()[0], 2),
-                             "others_cpu_s": {o: round(cpu_s(o) - t, 3) for o, t in others.items()}}
+                             "others_cpu_s": {o: round(cpu_s(o) - t, 3) for o, t in others.items()},
+                             "settled_s": round(settled_s, 2)}
             rounds.append(row)
             print(f"round {index + 1}/{args.rounds}: " + ", ".join(
                 f"{n} {row[n]['requests_per_s']:.1f} req/s" for n in SIDES) + f" (load {os.getloadavg()[0]:.2f})",

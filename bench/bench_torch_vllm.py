@@ -16,7 +16,9 @@ suppressed (ignore_eos on both sides); prompt caching is off on both
 (cache_prompt false; vLLM --no-enable-prefix-caching), so every round
 prefills. Each round runs, in racing.round_order, 8 concurrent streams and
 then 1 stream on each side (aggregate tokens / wall time, request to last
-token; and the p50 time to first token).
+token; and the p50 time to first token). Before each block both servers are
+let go idle (racing.settle): vLLM keeps a core busy for about a second after
+its last reply, which otherwise lands on whoever runs next.
 
 Goals (issue 14): 8 streams >= 1.25x vLLM, 1 stream >= 1.25x, each the median
 over rounds of the per-round ratio. Reported, never asserted.
@@ -44,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests"), str(ROOT / "tests/remote")]
 RESULTS = ROOT / "bench" / "results"
 
-from racing import goal, machine, median_ratio, round_order  # noqa: E402
+from racing import goal, machine, median_ratio, round_order, settle  # noqa: E402
 from vllm_server import SERVED_NAME, VENV, VllmServer, missing  # noqa: E402
 
 MODEL = "smollm2-torch"
@@ -90,6 +92,7 @@ class Sides:
         from modeld.gen import generation_pb2_grpc as gg
 
         self.tokens = tokens
+        self.pids = [vllm.proc.pid, daemon.proc.pid]
         self.http = aiohttp.ClientSession(vllm.url, connector=aiohttp.TCPConnector(limit=8))
         self.channel = grpc.aio.insecure_channel(daemon.address)
         self.stub = gg.GenerationStub(self.channel)
@@ -129,6 +132,7 @@ class Sides:
 
     async def block(self, side: str, prompts: list[str]) -> dict:
         call = self.modeld if side == "modeld" else self.vllm
+        settled_s = await asyncio.to_thread(settle, self.pids)
         started = time.perf_counter()
         results = await asyncio.gather(*(call(p) for p in prompts))
         counts = [r["tokens"] for r in results]
@@ -137,7 +141,7 @@ class Sides:
         wall = max(r["end"] for r in results) - started
         return {"tokens_per_s": round(len(prompts) * self.tokens / wall, 2),
                 "ttft_p50_ms": round(statistics.median(r["ttft_s"] for r in results) * 1e3, 1),
-                "load_avg_1m": round(os.getloadavg()[0], 2), "texts": [r["text"] for r in results]}
+                "load_avg_1m": round(os.getloadavg()[0], 2), "settled_s": round(settled_s, 2), "texts": [r["text"] for r in results]}
 
 
 async def race(sides: Sides, rounds: int) -> list[dict]:

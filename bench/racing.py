@@ -48,3 +48,41 @@ def decode_rate(tokens: int, first_token_at: float, end: float) -> float:
     if tokens < 2 or end <= first_token_at:
         return 0.0
     return (tokens - 1) / (end - first_token_at)
+
+
+def tree_cpu_seconds(pids: Iterable[int]) -> float:
+    """User plus system CPU seconds of these processes and all their children."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            members = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for member in members:
+            try:
+                times = member.cpu_times()
+            except psutil.NoSuchProcess:  # a child that ended between the listing and the reading
+                continue
+            total += times.user + times.system
+    return total
+
+
+def settle(pids: Sequence[int], *, idle_share: float = 0.05, window_s: float = 0.25, limit_s: float = 10.0,
+           cpu_seconds=tree_cpu_seconds, sleep=time.sleep, clock=time.monotonic) -> float:
+    """Wait until every server in the race is idle; returns the seconds waited.
+
+    A server can keep a core busy after its last reply: vLLM's CPU engine
+    polls for about a second after a request ends (measured: 0.25 CPU s per
+    0.25 s for 1.0 s, then nothing). Whoever runs next would share the two
+    cores with that spin, which cost modeld 0.9 s of time to first token
+    whenever it followed vLLM. Idle means under idle_share of one core over
+    window_s; after limit_s the race goes on and the wait is on record."""
+    started = clock()
+    while True:
+        before = cpu_seconds(pids)
+        sleep(window_s)
+        if cpu_seconds(pids) - before < idle_share * window_s or clock() - started >= limit_s:
+            return clock() - started

@@ -36,3 +36,55 @@ def test_goal_direction():
 def test_decode_rate_leaves_out_the_first_token():
     assert decode_rate(11, first_token_at=2.0, end=3.0) == 10.0
     assert decode_rate(1, 2.0, 3.0) == 0.0
+
+
+def test_settle_waits_out_a_server_that_keeps_spinning_after_its_last_reply():
+    from racing import settle
+
+    # CPU seconds the servers have used, read before and after each 0.25 s window:
+    # busy for three windows (a full core), then idle
+    readings = iter([0.0, 0.25, 0.25, 0.5, 0.5, 0.75, 0.75, 0.751])
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    waited = settle([1], cpu_seconds=lambda pids: next(readings), sleep=sleep, clock=lambda: now[0])
+    assert waited == pytest.approx(1.0)  # three busy windows and one idle one
+
+
+def test_settle_gives_up_at_its_limit_on_a_server_that_never_idles():
+    from racing import settle
+
+    used, now = [0.0], [0.0]
+
+    def cpu_seconds(pids) -> float:
+        used[0] += 0.2
+        return used[0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    assert settle([1], limit_s=2.0, cpu_seconds=cpu_seconds, sleep=sleep, clock=lambda: now[0]) == pytest.approx(2.0)
+
+
+def test_tree_cpu_seconds_counts_children_and_skips_ended_processes():
+    import os
+    import subprocess
+
+    from racing import tree_cpu_seconds
+
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)"])
+    try:
+        import time
+
+        deadline = time.monotonic() + 20
+        while tree_cpu_seconds([child.pid]) < 0.25:
+            assert time.monotonic() < deadline, "the child never used its 0.3 CPU seconds"
+            time.sleep(0.05)
+        # the child's spin shows up when counted through its parent's tree too
+        assert tree_cpu_seconds([os.getpid()]) >= tree_cpu_seconds([child.pid]) >= 0.25
+    finally:
+        child.kill()
+        child.wait()
+    assert tree_cpu_seconds([child.pid]) == 0.0  # gone: counted as nothing, no error
