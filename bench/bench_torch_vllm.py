@@ -21,7 +21,10 @@ let go idle (racing.settle): vLLM keeps a core busy for about a second after
 its last reply, which otherwise lands on whoever runs next.
 
 Goals (issue 14): 8 streams >= 1.25x vLLM, 1 stream >= 1.25x, each the median
-over rounds of the per-round ratio. Reported, never asserted.
+over rounds of the per-round ratio. Reported, never asserted. Each round also
+times the machine's ceiling for a decode step (DecodeFloor: the bare weight
+products, in this process while both servers idle), and both servers' rates
+are reported as a share of it.
 
     .venv/bin/python bench/bench_torch_vllm.py [--rounds 5] [--tokens 64] [--compile]
 
@@ -84,6 +87,46 @@ def repository() -> Path:
     return repo
 
 
+class DecodeFloor:
+    """The least one fp32 decode step can cost here: each of the model's
+    weight matrices (the fused q/k/v, output, gate/up and down projections of
+    every layer, and the vocabulary projection) multiplied once by the step's
+    rows, through the same product modeld uses (cpu_project), nothing else.
+    A decode step streams every weight from memory, so this bare loop is the
+    machine's ceiling for either server; tokens/s = streams / step time, best
+    of five. It leaves out prefill, attention and sampling, so no server can
+    reach it."""
+
+    def __init__(self) -> None:
+        import torch
+
+        from modeld.backends.model_config import ModelFormat
+        from modeld.backends.torch.backend import _build_model
+
+        source = ROOT / "models" / MODEL
+        model = _build_model(ModelFormat.GGUF, (source / "model.gguf").resolve(), source, torch.device("cpu"),
+                             torch.float32, 2048)
+        self.matrices = [p.detach() for name, p in model.named_parameters()
+                         if p.dim() == 2 and name.startswith("layers.")] + [model.output_weight().detach()]
+        self.params = sum(m.numel() for m in self.matrices)
+
+    def block(self, streams: int) -> dict:
+        import torch
+
+        from modeld.backends.torch.model import cpu_project
+
+        inputs = {m.shape[1]: torch.randn(streams, m.shape[1]) for m in self.matrices}
+        times = []
+        with torch.inference_mode():
+            for _ in range(5):
+                started = time.perf_counter()
+                for matrix in self.matrices:
+                    cpu_project(inputs[matrix.shape[1]], matrix)
+                times.append(time.perf_counter() - started)
+        return {"tokens_per_s": round(streams / min(times), 2), "step_ms": round(min(times) * 1e3, 2),
+                "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
 class Sides:
     def __init__(self, vllm: VllmServer, daemon, tokens: int) -> None:
         import aiohttp
@@ -144,7 +187,7 @@ class Sides:
                 "load_avg_1m": round(os.getloadavg()[0], 2), "settled_s": round(settled_s, 2), "texts": [r["text"] for r in results]}
 
 
-async def race(sides: Sides, rounds: int) -> list[dict]:
+async def race(sides: Sides, floor: DecodeFloor, rounds: int) -> list[dict]:
     for side in SIDES:  # warm-up, unrecorded
         await sides.block(side, PROMPTS)
         await sides.block(side, PROMPTS[:1])
@@ -157,18 +200,26 @@ async def race(sides: Sides, rounds: int) -> list[dict]:
         one = [PROMPTS[index % len(PROMPTS)]]
         for side in order:
             row["streams1"][side] = await sides.block(side, one)
+        # the ceiling in the same round, with both servers idle
+        await asyncio.to_thread(settle, sides.pids)
+        row["ceiling"] = {"streams8": floor.block(len(PROMPTS)), "streams1": floor.block(1)}
         out.append(row)
         print(f"round {index + 1}/{rounds} ({' then '.join(order)}): 8 streams " + ", ".join(
             f"{s} {row['streams8'][s]['tokens_per_s']:.1f}" for s in SIDES) + " tok/s; 1 stream " + ", ".join(
-            f"{s} {row['streams1'][s]['tokens_per_s']:.1f}" for s in SIDES) + f" tok/s (load {os.getloadavg()[0]:.2f})",
+            f"{s} {row['streams1'][s]['tokens_per_s']:.1f}" for s in SIDES) + " tok/s; decode floor "
+            f"{row['ceiling']['streams8']['tokens_per_s']:.1f} / {row['ceiling']['streams1']['tokens_per_s']:.1f} tok/s "
+            f"(load {os.getloadavg()[0]:.2f})",
             flush=True)
     return out
 
 
-def summarise(rounds: list[dict]) -> tuple[dict, dict, dict]:
-    medians, ratios, agreement = {}, {}, {}
+def summarise(rounds: list[dict]) -> tuple[dict, dict, dict, dict]:
+    medians, ratios, agreement, ceiling = {}, {}, {}, {}
     for scenario in ("streams8", "streams1"):
         rate = {s: [r[scenario][s]["tokens_per_s"] for r in rounds] for s in SIDES}
+        floor = [r["ceiling"][scenario]["tokens_per_s"] for r in rounds]
+        ceiling[scenario] = {"decode_floor_tokens_per_s": statistics.median(floor),
+                             **{f"{s}_over_floor": round(median_ratio(rate[s], floor), 3) for s in SIDES}}
         medians[scenario] = {s: {"tokens_per_s": statistics.median(rate[s]),
                                  "ttft_p50_ms": statistics.median(r[scenario][s]["ttft_p50_ms"] for r in rounds)}
                              for s in SIDES}
@@ -177,7 +228,7 @@ def summarise(rounds: list[dict]) -> tuple[dict, dict, dict]:
         # fp32 greedy on both: the texts should mostly agree (not required: kernels differ in rounding)
         pairs = [(a, b) for r in rounds for a, b in zip(r[scenario]["modeld"]["texts"], r[scenario]["vllm"]["texts"])]
         agreement[scenario] = {"identical_texts": sum(a == b for a, b in pairs), "of": len(pairs)}
-    return medians, ratios, agreement
+    return medians, ratios, agreement, ceiling
 
 
 def chart(record: dict, path: Path) -> None:
@@ -195,6 +246,10 @@ def chart(record: dict, path: Path) -> None:
             bar = ax.bar(x, statistics.median(values), color=colours[side], alpha=0.6)
             ax.bar_label(bar, fmt="%.1f")
             ax.scatter([x] * len(values), values, color=colours[side], edgecolor="black", zorder=3)
+        floor = record["ceiling"][scenario]["decode_floor_tokens_per_s"]
+        ax.axhline(floor, color="#c33", linestyle="--", linewidth=1)
+        ax.annotate(f"decode floor {floor:.0f} tok/s", (0.02, floor), xycoords=("axes fraction", "data"),
+                    va="bottom", fontsize=8, color="#c33")
         ax.set_xticks(range(len(SIDES)), [labels[s] for s in SIDES])
         g = record["ratios"][scenario]
         ax.set_title(f"{title} x {record['tokens_per_stream']} tokens: {g['ratio']:.2f}x (goal {g['goal']})", fontsize=10)
@@ -206,10 +261,10 @@ def chart(record: dict, path: Path) -> None:
     plt.close(fig)
 
 
-async def run(vllm: VllmServer, daemon, rounds: int, tokens: int) -> list[dict]:
+async def run(vllm: VllmServer, daemon, floor: DecodeFloor, rounds: int, tokens: int) -> list[dict]:
     sides = Sides(vllm, daemon, tokens)
     try:
-        return await race(sides, rounds)
+        return await race(sides, floor, rounds)
     finally:
         await sides.close()
 
@@ -245,14 +300,17 @@ def main() -> None:
         record["modeld"] = {"model": MODEL, "start_and_load_s": round(time.monotonic() - started, 1),
                             "model_toml": (repo / MODEL / "model.toml").read_text()}
         print(f"modeld ready in {record['modeld']['start_and_load_s']:.0f} s", flush=True)
-        record["rounds"] = asyncio.run(run(vllm, daemon, args.rounds, args.tokens))
+        floor = DecodeFloor()
+        record["decode_floor"] = {"matrices": len(floor.matrices), "parameters": floor.params,
+                                  "kernel": "modeld.backends.torch.model.cpu_project", "dtype": "float32"}
+        record["rounds"] = asyncio.run(run(vllm, daemon, floor, args.rounds, args.tokens))
     finally:
         if daemon is not None:
             daemon.stop()
         vllm.stop()
         shutil.rmtree(repo, ignore_errors=True)
     record["machine"]["load_avg_at_end"] = list(os.getloadavg())
-    record["medians"], record["ratios"], record["greedy_text_agreement"] = summarise(record["rounds"])
+    record["medians"], record["ratios"], record["greedy_text_agreement"], record["ceiling"] = summarise(record["rounds"])
     for row in record["rounds"]:  # the texts served the agreement count; keep the record small
         for scenario in ("streams8", "streams1"):
             for side in SIDES:
@@ -264,7 +322,10 @@ def main() -> None:
         m, g = record["medians"][scenario], record["ratios"][scenario]
         print(f"{label}: modeld {m['modeld']['tokens_per_s']:.1f} tok/s (TTFT p50 {m['modeld']['ttft_p50_ms']:.0f} ms), "
               f"vLLM {m['vllm']['tokens_per_s']:.1f} tok/s (TTFT p50 {m['vllm']['ttft_p50_ms']:.0f} ms): "
-              f"{g['ratio']:.2f}x, goal {g['goal']}: {'met' if g['met'] else 'missed'}")
+              f"{g['ratio']:.2f}x, goal {g['goal']}: {'met' if g['met'] else 'missed'}; decode floor "
+              f"{record['ceiling'][scenario]['decode_floor_tokens_per_s']:.1f} tok/s (modeld "
+              f"{record['ceiling'][scenario]['modeld_over_floor']:.2f}x of it, vLLM "
+              f"{record['ceiling'][scenario]['vllm_over_floor']:.2f}x)")
     print(f"greedy texts identical: {record['greedy_text_agreement']}; load average "
           f"{record['machine']['load_average'][0]:.2f} at start, {record['machine']['load_avg_at_end'][0]:.2f} at end")
     print(f"wrote {RESULTS / 'torch_vllm.json'} and {RESULTS / 'torch_vllm.png'}")
