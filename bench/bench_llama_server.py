@@ -12,7 +12,9 @@ between rounds:
           8 streams (aggregate tok/s, median time to first token)
   warm    6 unrelated single greedy requests (32 tokens each, the same to
           both), then the same 8 streams again
-Ratios are per round (modeld / llama-server), reported as medians.
+Ratios are per round (modeld / llama-server), reported as medians. Each
+side starts once both servers are idle (racing.settle), so no side pays for
+the other's threads still polling for work.
 
     .venv/bin/python bench/bench_llama_server.py [--rounds 3]
 
@@ -38,7 +40,7 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_llamacpp import GGUF, PROMPTS, UNRELATED, Modeld, concurrent_threads, free_port  # noqa: E402
-from racing import goal, machine, median_ratio, round_order  # noqa: E402
+from racing import goal, machine, median_ratio, round_order, settle  # noqa: E402
 
 PEER_BIN = ROOT / "var/peers/llama.cpp/bin"
 RESULTS = ROOT / "bench/results"
@@ -163,7 +165,10 @@ async def race(rounds: int) -> dict:
             got = {}
             # the ceiling is measured in every round too: a figure taken once,
             # minutes away from the race, compares two different machines
+            settled = {}
             for side in round_order(SIDES, r):
+                # llama.cpp's threads poll for work a while after their last step, on both sides
+                settled[side] = round(settle([node.daemon.proc.pid, peer.proc.pid]), 2)
                 if side == "modeld":
                     got[side] = await run_modeld(node)
                 elif side == "llama-server":
@@ -174,6 +179,7 @@ async def race(rounds: int) -> dict:
             node.stop()
             peer.stop()
         got["first"] = round_order(SIDES, r)[0]
+        got["settled_s"] = settled
         runs.append(got)
         m, p = got["modeld"], got["llama-server"]
         print(f"round {r} ({got['first']} first): 8 streams fresh {m['fresh']['tok_s']:.1f} vs {p['fresh']['tok_s']:.1f} "
