@@ -21,7 +21,9 @@ modeld (cosine >= 0.999 on a few sentences).
 
 Goal (issue 14): modeld >= 2.0x Infinity's fastest engine, judged as the
 median over rounds of modeld / max(torch, optimum) in that round. Reported,
-never asserted. Writes bench/results/infinity.json and infinity.png.
+never asserted. Each round ends with the ceiling of this work on this
+machine (ceiling_block: the same graph in this process, full batches, no
+server), and all sides are reported as a share of it. Writes bench/results/infinity.json and infinity.png.
 
     bash bench/peers/infinity_env.sh      # once: .venv-infinity and the ONNX export
     .venv/bin/python bench/bench_infinity.py [--rounds 5] [--block-s 4]
@@ -197,6 +199,23 @@ async def _infinity_block(url: str, sentences: list[str], seconds: float) -> tup
         return await drive(seconds)
 
 
+def ceiling_block(onnx, sentences: list[str], seconds: float) -> dict:
+    """The machine's best at this work with no server at all: the same ONNX
+    graph and tokenizer in this process (bench_minilm.InProcessOnnx), batches
+    of CONCURRENCY sentences back to back, so every run is as full as 32
+    clients could make it. Neither server can pass it; a 2x lead over
+    Infinity needs Infinity at half of it or less."""
+    try:
+        done, index, started = 0, 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - started) < seconds:
+            onnx.embed_batch([sentences[(index + k) % len(sentences)] for k in range(CONCURRENCY)])
+            done, index = done + CONCURRENCY, index + CONCURRENCY
+        return {"requests_per_s": round(done / elapsed, 2), "requests": done, "batch": CONCURRENCY,
+                "load_avg_1m": round(os.getloadavg()[0], 2)}
+    except Exception as exc:  # the race's own figures stand without it
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a = a / np.linalg.norm(a, axis=1, keepdims=True)
     b = b / np.linalg.norm(b, axis=1, keepdims=True)
@@ -264,23 +283,32 @@ def main() -> None:
                 return sum(processes["modeld"].cpu_times()[:2])
             return servers[name].cpu_s()
 
+        try:
+            onnx = bm.InProcessOnnx()
+        except Exception as exc:  # recorded by ceiling_block's error instead
+            onnx = None
+            print(f"no in-process ceiling: {exc}", flush=True)
+        pids = [daemon.proc.pid, *(server.proc.pid for server in servers.values())]
         for name in SIDES:  # warm-up, unrecorded: connections, allocators, Infinity's first batches
             blocks[name]()
         rounds: list[dict] = []
         for index in range(args.rounds):
             row: dict = {"order": round_order(SIDES, index)}
             for name in row["order"]:
-                settled_s = settle([daemon.proc.pid, *(server.proc.pid for server in servers.values())])
+                settled_s = settle(pids)
                 others = {o: cpu_s(o) for o in SIDES if o != name}
                 done, elapsed, errors = blocks[name]()
                 row[name] = {"requests_per_s": round(done / elapsed, 2), "requests": done, "errors": len(errors),
                              "first_errors": errors[:2], "load_avg_1m": round(os.getloadavg()[0], 2),
                              "others_cpu_s": {o: round(cpu_s(o) - t, 3) for o, t in others.items()},
                              "settled_s": round(settled_s, 2)}
+            settle(pids)  # the ceiling in the same round, every server idle
+            row["ceiling"] = ceiling_block(onnx, sentences, args.block_s)
             rounds.append(row)
             print(f"round {index + 1}/{args.rounds}: " + ", ".join(
-                f"{n} {row[n]['requests_per_s']:.1f} req/s" for n in SIDES) + f" (load {os.getloadavg()[0]:.2f})",
-                flush=True)
+                f"{n} {row[n]['requests_per_s']:.1f} req/s" for n in SIDES) +
+                f"; in-process ceiling {row['ceiling'].get('requests_per_s', row['ceiling'].get('error'))}"
+                f" (load {os.getloadavg()[0]:.2f})", flush=True)
         client.close()
     finally:
         for server in servers.values():
@@ -299,6 +327,15 @@ def main() -> None:
         "modeld_over_infinity_optimum": median_ratio(rate["modeld"], rate["infinity_optimum"]),
         "infinity_optimum_over_torch": median_ratio(rate["infinity_optimum"], rate["infinity_torch"]),
     }
+    ceiling = [r["ceiling"].get("requests_per_s") for r in rounds]
+    if all(ceiling):
+        record["ceiling"] = {
+            "in_process_requests_per_s": statistics.median(ceiling),
+            "modeld_over_ceiling": median_ratio(rate["modeld"], ceiling),
+            "infinity_fastest_over_ceiling": median_ratio(fastest, ceiling),
+            # the most modeld could lead by if it reached the ceiling itself
+            "highest_possible_lead": median_ratio(ceiling, fastest),
+        }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "infinity.json").write_text(json.dumps(record, indent=2) + "\n")
     chart(record, RESULTS / "infinity.png")
@@ -309,6 +346,11 @@ def main() -> None:
           f"{'met' if g['met'] else 'missed'}; vs torch {ratios['modeld_over_infinity_torch']:.2f}x, "
           f"vs optimum {ratios['modeld_over_infinity_optimum']:.2f}x; load average "
           f"{record['machine']['load_average'][0]:.2f} at start, {record['machine']['load_avg_at_end'][0]:.2f} at end")
+    if "ceiling" in record:
+        c = record["ceiling"]
+        print(f"in-process ceiling (batches of {CONCURRENCY}, no server) {c['in_process_requests_per_s']:.1f} req/s: "
+              f"modeld at {c['modeld_over_ceiling']:.2f}x of it, Infinity's fastest at "
+              f"{c['infinity_fastest_over_ceiling']:.2f}x; the highest lead possible here {c['highest_possible_lead']:.2f}x")
     print(f"wrote {RESULTS / 'infinity.json'} and {RESULTS / 'infinity.png'}")
 
 
@@ -332,6 +374,11 @@ def chart(record: dict, path: Path) -> None:
         bar = ax.bar(x, statistics.median(values), color=colours[name], alpha=0.6)
         ax.bar_label(bar, fmt="%.0f")
         ax.scatter([x] * len(values), values, color=colours[name], edgecolor="black", zorder=3)
+    if "ceiling" in record:
+        top = record["ceiling"]["in_process_requests_per_s"]
+        ax.axhline(top, color="#c33", linestyle="--", linewidth=1)
+        ax.annotate(f"in-process ceiling {top:.0f} req/s", (0.02, top), xycoords=("axes fraction", "data"),
+                    va="bottom", fontsize=8, color="#c33")
     ax.set_xticks(range(len(SIDES)), [labels[n] for n in SIDES])
     ax.set_ylabel("requests / s (median of rounds; dots: rounds)")
     g = record["ratios"]["modeld_over_infinity_fastest"]

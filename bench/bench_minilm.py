@@ -232,6 +232,14 @@ class InProcessOnnx:
                  "token_type_ids": np.array([enc.type_ids], dtype=np.int64)}
         return self.sess.run(["embedding"], feeds)[0]
 
+    def embed_batch(self, sentences: list[str]) -> np.ndarray:
+        """Many sentences in one run, padded to the longest, as a batching server would."""
+        encodings = self.tok.encode_batch(sentences)
+        feeds = {name: np.array([getattr(e, field) for e in encodings], dtype=np.int64)
+                 for name, field in (("input_ids", "ids"), ("attention_mask", "attention_mask"),
+                                     ("token_type_ids", "type_ids"))}
+        return self.sess.run(["embedding"], feeds)[0]
+
 
 def load_sentence_transformer():
     import torch
