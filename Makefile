@@ -80,19 +80,16 @@ stress: models
 	MODELD_STRESS_SCALE=20 MODELD_STRESS_RESULTS=bench/results/stress.json MODELD_STRESS_COMMAND="make stress" \
 		$(BIN)/pytest -m stress tests/stress $(PYTEST_ARGS)
 
+BENCHES = minilm llamacpp llama_server backends onnx_genai torch http gateway remote infinity torch_vllm workers
+
+# every benchmark runs even when one before it fails (a run takes over an
+# hour); the target still fails, naming each that did
 bench: models vllm-env infinity-env llama-peer $(HF_SMOLLM2)
-	$(BIN)/python bench/bench_minilm.py
-	$(BIN)/python bench/bench_llamacpp.py
-	$(BIN)/python bench/bench_llama_server.py
-	$(BIN)/python bench/bench_backends.py
-	$(BIN)/python bench/bench_onnx_genai.py
-	$(BIN)/python bench/bench_torch.py
-	$(BIN)/python bench/bench_http.py
-	$(BIN)/python bench/bench_gateway.py
-	$(BIN)/python bench/bench_remote.py
-	$(BIN)/python bench/bench_infinity.py
-	$(BIN)/python bench/bench_torch_vllm.py
-	$(BIN)/python bench/bench_workers.py
+	@failed=""; for b in $(BENCHES); do \
+		echo "== bench/bench_$$b.py ($$(date -u +%H:%M:%S))"; \
+		$(BIN)/python bench/bench_$$b.py || failed="$$failed bench_$$b.py"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "make bench: failed:$$failed"; exit 1; fi; echo "make bench: all passed"
 
 proto: $(STAMP)
 	$(BIN)/python gen/build.py
