@@ -52,7 +52,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_minilm as bm  # noqa: E402
-from racing import goal, machine, median_ratio, round_order, settle  # noqa: E402
+from racing import goal, machine, median_ratio, round_order, settle, tree_cpu_seconds  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 VENV = Path(os.environ.get("INFINITY_VENV", ROOT / ".venv-infinity"))
@@ -157,10 +157,7 @@ class Infinity:
             self.proc.wait(30)
 
     def cpu_s(self) -> float:
-        import psutil
-
-        root = psutil.Process(self.proc.pid)
-        return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
+        return tree_cpu_seconds([self.proc.pid])
 
     def embed(self, sentences: list[str]) -> np.ndarray:
         body = json.dumps({"model": SERVED_NAME, "input": sentences}).encode()

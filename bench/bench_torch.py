@@ -203,29 +203,42 @@ def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
-def projection_floor(rows: int = 8, repeats: int = 5) -> dict:
-    """Only the matrix products of one decode step for `rows` sequences,
-    through modeld's fastest fp32 form on MKL, over the real weights: what a
-    step cannot go below with this BLAS, whatever else it does. Reported as
-    tokens/s (rows per step / seconds per step)."""
-    from modeld.backends.model_config import ModelFormat
-    from modeld.backends.torch.backend import _build_model
-    from modeld.backends.torch.model import cpu_project
+class DecodeFloor:
+    """Only the matrix products of one decode step, through modeld's fastest
+    fp32 form on MKL (cpu_project), over the real weights (each layer's fused
+    q/k/v, output, gate/up and down projections, and the vocabulary
+    projection): what a step cannot go below with this BLAS, whatever else it
+    does. The weights are loaded once; each timing multiplies every matrix
+    once by `rows` inputs. Shared with bench_torch_vllm.py."""
 
-    torch.set_num_threads(2)
-    model = _build_model(ModelFormat.GGUF, GGUF, GGUF.parent, torch.device("cpu"), torch.float32, 2048)
-    weights = [w for layer in model.layers for w in (layer.attention.wqkv, layer.attention.wo,
-                                                     layer.feed_forward.w13, layer.feed_forward.w2)]
-    weights.append(model.output_weight())
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-    times = []
-    with torch.inference_mode():
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for w in weights:
-                cpu_project(inputs[w.shape[1]], w)
-            times.append(time.perf_counter() - start)
-    step = statistics.median(times)
+    def __init__(self) -> None:
+        from modeld.backends.model_config import ModelFormat
+        from modeld.backends.torch.backend import _build_model
+
+        model = _build_model(ModelFormat.GGUF, GGUF, GGUF.parent, torch.device("cpu"), torch.float32, 2048)
+        self.matrices = [w.detach() for layer in model.layers
+                         for w in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13,
+                                   layer.feed_forward.w2)]
+        self.matrices.append(model.output_weight().detach())
+        self.params = sum(m.numel() for m in self.matrices)
+
+    def step_times(self, rows: int, repeats: int = 5) -> list[float]:
+        from modeld.backends.torch.model import cpu_project
+
+        inputs = {m.shape[1]: torch.randn(rows, m.shape[1]) for m in self.matrices}
+        times = []
+        with torch.inference_mode():
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for matrix in self.matrices:
+                    cpu_project(inputs[matrix.shape[1]], matrix)
+                times.append(time.perf_counter() - start)
+        return times
+
+
+def projection_floor(floor: DecodeFloor, rows: int) -> dict:
+    """The floor for `rows` sequences as tokens/s (rows per step / seconds per step)."""
+    step = statistics.median(floor.step_times(rows))
     return {"rows": rows, "step_ms": step * 1000, "tok_s": rows / step}
 
 
@@ -256,7 +269,9 @@ def main() -> None:
     peer = TransformersPeer()
     static = StaticCompiledPeer(peer)
     # right next to the peer's figures: this machine's memory bandwidth drifts
-    floor = {"batch8": projection_floor(8), "single": projection_floor(1)}
+    torch.set_num_threads(2)
+    decode = DecodeFloor()
+    floor = {"batch8": projection_floor(decode, 8), "single": projection_floor(decode, 1)}
 
     async def measure() -> dict:
         result = {}

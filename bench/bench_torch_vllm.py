@@ -22,7 +22,7 @@ its last reply, which otherwise lands on whoever runs next.
 
 Goals (issue 14): 8 streams >= 1.25x vLLM, 1 stream >= 1.25x, each the median
 over rounds of the per-round ratio. Reported, never asserted. Each round also
-times the machine's ceiling for a decode step (DecodeFloor: the bare weight
+times the machine's ceiling for a decode step (bench_torch.DecodeFloor: the bare weight
 products, in this process while both servers idle), and both servers' rates
 are reported as a share of it.
 
@@ -51,6 +51,8 @@ RESULTS = ROOT / "bench" / "results"
 
 from racing import goal, machine, median_ratio, round_order, settle  # noqa: E402
 from vllm_server import SERVED_NAME, VENV, VllmServer, missing  # noqa: E402
+
+from bench_torch import DecodeFloor  # noqa: E402
 
 MODEL = "smollm2-torch"
 SIDES = ("modeld", "vllm")
@@ -87,44 +89,15 @@ def repository() -> Path:
     return repo
 
 
-class DecodeFloor:
-    """The least one fp32 decode step can cost here: each of the model's
-    weight matrices (the fused q/k/v, output, gate/up and down projections of
-    every layer, and the vocabulary projection) multiplied once by the step's
-    rows, through the same product modeld uses (cpu_project), nothing else.
-    A decode step streams every weight from memory, so this bare loop is the
-    machine's ceiling for either server; tokens/s = streams / step time, best
-    of five. It leaves out prefill, attention and sampling, so no server can
-    reach it."""
-
-    def __init__(self) -> None:
-        import torch
-
-        from modeld.backends.model_config import ModelFormat
-        from modeld.backends.torch.backend import _build_model
-
-        source = ROOT / "models" / MODEL
-        model = _build_model(ModelFormat.GGUF, (source / "model.gguf").resolve(), source, torch.device("cpu"),
-                             torch.float32, 2048)
-        self.matrices = [p.detach() for name, p in model.named_parameters()
-                         if p.dim() == 2 and name.startswith("layers.")] + [model.output_weight().detach()]
-        self.params = sum(m.numel() for m in self.matrices)
-
-    def block(self, streams: int) -> dict:
-        import torch
-
-        from modeld.backends.torch.model import cpu_project
-
-        inputs = {m.shape[1]: torch.randn(streams, m.shape[1]) for m in self.matrices}
-        times = []
-        with torch.inference_mode():
-            for _ in range(5):
-                started = time.perf_counter()
-                for matrix in self.matrices:
-                    cpu_project(inputs[matrix.shape[1]], matrix)
-                times.append(time.perf_counter() - started)
-        return {"tokens_per_s": round(streams / min(times), 2), "step_ms": round(min(times) * 1e3, 2),
-                "load_avg_1m": round(os.getloadavg()[0], 2)}
+def floor_block(floor: DecodeFloor, streams: int) -> dict:
+    """bench_torch's decode floor (every weight product of one fp32 decode
+    step, modeld's kernel, nothing else) as tokens/s, best of five: a decode
+    step streams every weight from memory, so this bare loop is the machine's
+    ceiling for either server. It leaves out prefill, attention and sampling,
+    so no server can reach it."""
+    best = min(floor.step_times(streams))
+    return {"tokens_per_s": round(streams / best, 2), "step_ms": round(best * 1e3, 2),
+            "load_avg_1m": round(os.getloadavg()[0], 2)}
 
 
 class Sides:
@@ -202,7 +175,7 @@ async def race(sides: Sides, floor: DecodeFloor, rounds: int) -> list[dict]:
             row["streams1"][side] = await sides.block(side, one)
         # the ceiling in the same round, with both servers idle
         await asyncio.to_thread(settle, sides.pids)
-        row["ceiling"] = {"streams8": floor.block(len(PROMPTS)), "streams1": floor.block(1)}
+        row["ceiling"] = {"streams8": floor_block(floor, len(PROMPTS)), "streams1": floor_block(floor, 1)}
         out.append(row)
         print(f"round {index + 1}/{rounds} ({' then '.join(order)}): 8 streams " + ", ".join(
             f"{s} {row['streams8'][s]['tokens_per_s']:.1f}" for s in SIDES) + " tok/s; 1 stream " + ", ".join(
