@@ -87,7 +87,8 @@ class LlamaGenerativeModel(GenerativeModel):
         context_length = min(options.context_length, self.llama_model.n_ctx_train, n_ctx // n_slots)
         self.scheduler = Scheduler(SchedulerConfig(
             num_slots=n_slots, kv_capacity=n_ctx, context_length=context_length,
-            max_step_tokens=step, max_waiting=options.max_waiting, admission=admission_from(options),
+            max_step_tokens=step, max_prefill_tokens=options.max_prefill_tokens, max_waiting=options.max_waiting,
+            admission=admission_from(options),
         ))
         self.runner = LlamaExecutor(self.llama_model, self.context)
         self.draft = self._load_draft(options, n_ctx, n_slots, step, threads)

@@ -96,3 +96,31 @@ def test_the_policy_is_a_checked_option():
     assert (options.admission, options.admission_batch, options.admission_window_ms) == ("static", 4, 2000)
     with pytest.raises(InvalidArgument, match="admission.*continuous, dynamic, static"):
         parse_options("m", "torch", {"admission": "greedy"})
+
+
+def test_prompt_tokens_per_step_are_capped_and_decodes_are_not_counted():
+    scheduler = Scheduler(SchedulerConfig(num_slots=8, kv_capacity=512, context_length=64, max_step_tokens=64,
+                                          max_prefill_tokens=8))
+    running = _seq(n=3, max_tokens=10)
+    scheduler.add(running)
+    _step(scheduler)
+    waiting = [_seq(n=5) for _ in range(3)]
+    for s in waiting:
+        scheduler.add(s)
+    plan = scheduler.schedule()
+    fed = {w.seq_id: (len(w.token_ids), w.num_logits) for w in plan.work}
+    # the running sequence decodes; the first prompt goes in whole, the second's first 3 tokens follow it
+    # without logits, and the third waits
+    assert fed == {running.seq_id: (1, 1), waiting[0].seq_id: (5, 1), waiting[1].seq_id: (3, 0)}
+    scheduler.update(plan, {running.seq_id: SeqResult((9,)), waiting[0].seq_id: SeqResult((9,))})
+    plan = scheduler.schedule()
+    fed = {w.seq_id: (w.start_pos, len(w.token_ids)) for w in plan.work}
+    assert fed == {running.seq_id: (4, 1), waiting[0].seq_id: (5, 1), waiting[1].seq_id: (3, 2),
+                   waiting[2].seq_id: (0, 5)}
+
+
+def test_llamacpp_prompt_tokens_per_step_default_and_bounds():
+    assert parse_options("m", "llamacpp", {}).max_prefill_tokens == 32
+    assert parse_options("m", "llamacpp", {"max_prefill_tokens": 512}).max_prefill_tokens == 512
+    with pytest.raises(Exception, match="max_prefill_tokens"):
+        parse_options("m", "llamacpp", {"max_prefill_tokens": 0})
