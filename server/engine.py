@@ -821,10 +821,14 @@ async def _deadline(timeout_s: float | None):
 async def _next_event(events: AsyncIterator, deadline: float | None, timeout_s: float | None):
     # The timeout covers only the wait for the model, never the caller's own
     # work between events: a stream is consumed across many awaits.
+    # asyncio.timeout_at rather than wait_for: wait_for wraps every event's
+    # wait in a task of its own, a cost paid per token (the loop's clock is
+    # time.monotonic, the deadline's too)
     if deadline is None:
         return await events.__anext__()
     try:
-        return await asyncio.wait_for(events.__anext__(), max(deadline - time.monotonic(), 0.0))
+        async with asyncio.timeout_at(deadline):
+            return await events.__anext__()
     except TimeoutError:
         raise _timed_out(timeout_s) from None
 

@@ -72,20 +72,28 @@ class GenerationMetrics:
     def __init__(self, metrics: Metrics, model: str, backend: str) -> None:
         self.m, self.labels = metrics, (model, backend)
         self.latest = StepFigures()  # all 0 until the first step after load
+        # on_step and on_tokens run once per step and per token: the labelled
+        # children are looked up once here, not on every call
+        self._running, self._waiting, self._kv_used, self._kv_capacity = (
+            g.labels(*self.labels) for g in (metrics.running_sequences, metrics.waiting_sequences,
+                                             metrics.kv_cells_used, metrics.kv_cells_capacity))
+        self._tokens = metrics.generated_tokens.labels(*self.labels)
+        self._first_token = metrics.time_to_first_token.labels(*self.labels)
+        self._inter_token = metrics.inter_token.labels(*self.labels)
 
     def on_step(self, num_running: int, num_waiting: int, kv_used: int, kv_capacity: int) -> None:
         self.latest = StepFigures(num_running, num_waiting, kv_used, kv_capacity)
-        self.m.running_sequences.labels(*self.labels).set(num_running)
-        self.m.waiting_sequences.labels(*self.labels).set(num_waiting)
-        self.m.kv_cells_used.labels(*self.labels).set(kv_used)
-        self.m.kv_cells_capacity.labels(*self.labels).set(kv_capacity)
+        self._running.set(num_running)
+        self._waiting.set(num_waiting)
+        self._kv_used.set(kv_used)
+        self._kv_capacity.set(kv_capacity)
 
     def on_tokens(self, count: int, first_token_s: float | None, inter_token_s: float | None) -> None:
-        self.m.generated_tokens.labels(*self.labels).inc(count)
+        self._tokens.inc(count)
         if first_token_s is not None:
-            self.m.time_to_first_token.labels(*self.labels).observe(first_token_s)
+            self._first_token.observe(first_token_s)
         if inter_token_s is not None:
-            self.m.inter_token.labels(*self.labels).observe(inter_token_s)
+            self._inter_token.observe(inter_token_s)
 
     def on_finish(self, usage, reason) -> None:
         self.m.prompt_tokens.labels(*self.labels).inc(usage.prompt_tokens)
