@@ -12,6 +12,8 @@ between rounds:
           8 streams (aggregate tok/s, median time to first token)
   warm    6 unrelated single greedy requests (32 tokens each, the same to
           both), then the same 8 streams again
+The one-stream phase also records CPU ms per token by process
+(racing.CpuPerToken): where modeld's time goes beside llama-server's.
 Ratios are per round (modeld / llama-server), reported as medians. Each
 side starts once both servers are idle (racing.settle), so no side pays for
 the other's threads still polling for work.
@@ -40,7 +42,7 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_llamacpp import GGUF, PROMPTS, UNRELATED, Modeld, concurrent_threads, free_port  # noqa: E402
-from racing import goal, machine, median_ratio, round_order, settle  # noqa: E402
+from racing import CpuPerToken, goal, machine, median_ratio, round_order, settle  # noqa: E402
 
 PEER_BIN = ROOT / "var/peers/llama.cpp/bin"
 RESULTS = ROOT / "bench/results"
@@ -110,7 +112,9 @@ def _single(results: list[dict]) -> dict:
 
 def run_peer(peer: LlamaServer) -> dict:
     peer.stream("Warm up.", 8)
-    single = _single([peer.stream(p, NEW_TOKENS) for p in PROMPTS[:3]])
+    with CpuPerToken(peer.proc.pid) as cpu:
+        single = _single(cpu.count([peer.stream(p, NEW_TOKENS) for p in PROMPTS[:3]]))
+    single["cpu_ms_per_token"] = cpu.figures
     fresh = _burst(*concurrent_threads(lambda p: peer.stream(p, NEW_TOKENS), PROMPTS))
     for prompt in UNRELATED:
         peer.stream(prompt, 32)
@@ -121,7 +125,9 @@ def run_peer(peer: LlamaServer) -> dict:
 async def run_modeld(node: Modeld) -> dict:
     await node.stream("Warm up.", 8)
     # prefixes kept, as by default and as llama-server does (cache_prompt)
-    single = _single([await node.stream(p, NEW_TOKENS) for p in PROMPTS[:3]])
+    with CpuPerToken(node.daemon.proc.pid) as cpu:
+        single = _single(cpu.count([await node.stream(p, NEW_TOKENS) for p in PROMPTS[:3]]))
+    single["cpu_ms_per_token"] = cpu.figures
 
     async def burst() -> dict:
         start = time.perf_counter()
@@ -220,6 +226,10 @@ def summarise(runs: list[dict]) -> dict:
         "modeld_warm_over_fresh": median_ratio(series("modeld", "warm", "tok_s"), series("modeld", "fresh", "tok_s")),
         "peer_warm_over_fresh": median_ratio(series("llama-server", "warm", "tok_s"), series("llama-server", "fresh", "tok_s")),
         "best_modeld_8_streams_over_ceiling": best8 / ceiling8,
+        # one stream: CPU ms per token by process (CpuPerToken), medians of rounds
+        "single_cpu_ms_per_token": {side: {part: statistics.median(g[side]["single"]["cpu_ms_per_token"][part] for g in runs)
+                                           for part in ("front", "children", "client")}
+                                    for side in ("modeld", "llama-server")},
     }
 
 
@@ -277,6 +287,8 @@ def main() -> None:
     chart(record, RESULTS / "llama_server.png")
     for name, g in summary["goals"].items():
         print(f"{name}: {g['ratio']:.2f}x (goal {g['goal']}: {'met' if g['met'] else 'missed'})")
+    for side, parts in summary["single_cpu_ms_per_token"].items():
+        print(f"1 stream, CPU ms per token, {side}: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
     print(f"modeld warm/fresh {summary['modeld_warm_over_fresh']:.2f}x, llama-server warm/fresh "
           f"{summary['peer_warm_over_fresh']:.2f}x")
 

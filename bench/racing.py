@@ -86,3 +86,35 @@ def settle(pids: Sequence[int], *, idle_share: float = 0.05, window_s: float = 0
         sleep(window_s)
         if cpu_seconds(pids) - before < idle_share * window_s or clock() - started >= limit_s:
             return clock() - started
+
+
+class CpuPerToken:
+    """Where one stream's CPU goes, per token: the server's front process
+    (modeld's daemon, which relays each token from its model's worker over
+    gRPC; llama-server's whole process), its children (modeld's llama.cpp
+    worker), and this benchmark's client. llama.cpp's threads spin on both
+    cores between steps, so the figures that include them read about 2
+    cores whatever the work; the front's and the client's do not."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self.front, self.client, self.tokens = psutil.Process(pid), psutil.Process(), 0
+
+    @staticmethod
+    def _cpu(process) -> float:
+        t = process.cpu_times()
+        return t.user + t.system
+
+    def __enter__(self) -> "CpuPerToken":
+        self.start = (self._cpu(self.front), tree_cpu_seconds([self.front.pid]), self._cpu(self.client))
+        return self
+
+    def count(self, results: list[dict]) -> list[dict]:
+        self.tokens += sum(r["tokens"] for r in results)
+        return results
+
+    def __exit__(self, *exc) -> None:
+        end = (self._cpu(self.front), tree_cpu_seconds([self.front.pid]), self._cpu(self.client))
+        front, tree, client = ((e - s) * 1e3 / max(self.tokens, 1) for s, e in zip(self.start, end))
+        self.figures = {"front": round(front, 3), "children": round(tree - front, 3), "client": round(client, 3)}

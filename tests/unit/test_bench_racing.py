@@ -88,3 +88,42 @@ def test_tree_cpu_seconds_counts_children_and_skips_ended_processes():
         child.kill()
         child.wait()
     assert tree_cpu_seconds([child.pid]) == 0.0  # gone: counted as nothing, no error
+
+
+def test_cpu_per_token_splits_the_front_its_children_and_the_client():
+    import subprocess
+    import time
+
+    from racing import CpuPerToken
+
+    # a "server" whose child spins 0.4 CPU seconds while the server itself sleeps
+    # (the child waits 1 s, so its spin falls inside the counted block)
+    spin = "import time\ntime.sleep(1)\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\ntime.sleep(30)"
+    front = subprocess.Popen([sys.executable, "-c",
+                              f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {spin!r}])\n"
+                              "time.sleep(30)"])
+    try:
+        time.sleep(0.5)  # both have started (start-up CPU is not counted)
+        with CpuPerToken(front.pid) as cpu:
+            t = time.process_time()
+            while time.process_time() - t < 0.2:  # the client's own work
+                pass
+            deadline = time.monotonic() + 20
+            while _tree_seconds(front.pid) - cpu.start[1] < 0.35:
+                assert time.monotonic() < deadline, "the child never spun"
+                time.sleep(0.05)
+            cpu.count([{"tokens": 60}, {"tokens": 40}])
+        parts = cpu.figures
+        assert parts["client"] >= 2.0  # 0.2 s over 100 tokens, at least
+        assert parts["children"] >= 3.0  # the child's 0.4 s, less clock-tick rounding
+        assert parts["front"] < 1.0  # the front only slept
+    finally:
+        subprocess.run(["pkill", "-P", str(front.pid)], check=False)
+        front.kill()
+        front.wait()
+
+
+def _tree_seconds(pid: int) -> float:
+    from racing import tree_cpu_seconds
+
+    return tree_cpu_seconds([pid])
