@@ -226,6 +226,10 @@ def summarise(runs: list[dict]) -> dict:
         "modeld_warm_over_fresh": median_ratio(series("modeld", "warm", "tok_s"), series("modeld", "fresh", "tok_s")),
         "peer_warm_over_fresh": median_ratio(series("llama-server", "warm", "tok_s"), series("llama-server", "fresh", "tok_s")),
         "best_modeld_8_streams_over_ceiling": best8 / ceiling8,
+        # the peer against the same ceiling: what a server with its clients on
+        # the same two cores reaches (no goal; it bounds ours)
+        "peer_8_streams_over_ceiling": median_ratio(series("llama-server", "fresh", "tok_s"),
+                                                    [g["ceiling"][8]["decode_tok_s"] for g in runs]),
         # one stream: CPU ms per token by process (CpuPerToken), medians of rounds
         "single_cpu_ms_per_token": {side: {part: statistics.median(g[side]["single"]["cpu_ms_per_token"][part] for g in runs)
                                            for part in ("front", "children", "client")}
@@ -289,6 +293,7 @@ def main() -> None:
         print(f"{name}: {g['ratio']:.2f}x (goal {g['goal']}: {'met' if g['met'] else 'missed'})")
     for side, parts in summary["single_cpu_ms_per_token"].items():
         print(f"1 stream, CPU ms per token, {side}: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+    print(f"llama-server's own 8 streams: {summary['peer_8_streams_over_ceiling']:.2f}x of batched-bench's decode")
     print(f"modeld warm/fresh {summary['modeld_warm_over_fresh']:.2f}x, llama-server warm/fresh "
           f"{summary['peer_warm_over_fresh']:.2f}x")
 
