@@ -51,13 +51,13 @@ class PassCounter:
         self.callback = observe  # kept alive as long as the context
 
 
-def _load(monkeypatch, counter: PassCounter):
+def _load(monkeypatch, counter: PassCounter, **overrides):
     from modeld.backends.llamacpp.backend import LlamaCppBackend
     from modeld.backends.model_config import load_model_toml
 
     config = load_model_toml("smollm2", MODEL_DIR / "model.toml")
     # 8 slots as shipped, smaller streams: the prompts here are short
-    options = dataclasses.replace(config.backend_options.llamacpp, n_ctx=4096, n_slots=8, draft_path="")
+    options = dataclasses.replace(config.backend_options.llamacpp, n_ctx=4096, n_slots=8, draft_path="", **overrides)
     config = dataclasses.replace(config, backend_options=dataclasses.replace(config.backend_options, llamacpp=options))
     defaults = llama_cpp.llama_context_default_params
 
@@ -178,3 +178,47 @@ def test_a_cached_prefix_away_from_the_running_block_is_copied_next_to_it_and_ma
     assert [(op.src, op.slot) for op in copies] == [(0, 5)]
     assert usage.cached_prompt_tokens == copies[0].pos >= 16
     assert warm == cold
+
+
+def _prompt_steps(monkeypatch, max_prefill_tokens: int) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Three prompts sent together: their greedy tokens and, per step that
+    carried prompt tokens, (prompt tokens, those in chunks). A sequence with
+    one prompt token left feeds it beside the decodes, outside the cap."""
+    model = _load(monkeypatch, PassCounter(), max_prefill_tokens=max_prefill_tokens)
+    assert model.scheduler.config.max_prefill_tokens == max_prefill_tokens
+    steps = []
+    run = model.context.run
+
+    def recorded(plan):
+        running = {seq.seq_id: seq for seq in model.scheduler.running}
+        prompt = chunks = 0
+        for w in plan.work:
+            seq = running[w.seq_id]
+            n = max(0, min(w.start_pos + len(w.token_ids), seq.num_prompt) - w.start_pos)
+            prompt += n
+            chunks += n if seq.is_prefilling else 0
+        steps.append((prompt, chunks))
+        return run(plan)
+
+    model.context.run = recorded
+
+    async def go():
+        await model.start()
+        try:
+            return await asyncio.gather(*(_generate(model, p, 6, ignore_eos=True) for p in STREAMS[:3]))
+        finally:
+            await model.stop()
+
+    try:
+        return asyncio.run(go()), [s for s in steps if s[0]]
+    finally:
+        model.unload()
+
+
+def test_prompts_arriving_together_are_fed_a_few_tokens_per_step_with_the_same_tokens_out(monkeypatch):
+    whole_tokens, whole = _prompt_steps(monkeypatch, 512)
+    capped_tokens, capped = _prompt_steps(monkeypatch, 8)
+    assert sum(p for p, _ in capped) == sum(p for p, _ in whole)  # every prompt token fed once
+    assert max(c for _, c in capped) <= 8 < max(c for _, c in whole)
+    assert len(capped) > len(whole)
+    assert capped_tokens == whole_tokens
