@@ -63,11 +63,16 @@ def tree_cpu_seconds(pids: Iterable[int]) -> float:
             continue
         for member in members:
             try:
-                times = member.cpu_times()
+                total += process_cpu_seconds(member)
             except psutil.NoSuchProcess:  # a child that ended between the listing and the reading
                 continue
-            total += times.user + times.system
     return total
+
+
+def process_cpu_seconds(process) -> float:
+    """User plus system CPU seconds of one psutil.Process, its children left out."""
+    times = process.cpu_times()
+    return times.user + times.system
 
 
 def settle(pids: Sequence[int], *, idle_share: float = 0.05, window_s: float = 0.25, limit_s: float = 10.0,
@@ -101,13 +106,8 @@ class CpuPerToken:
 
         self.front, self.client, self.tokens = psutil.Process(pid), psutil.Process(), 0
 
-    @staticmethod
-    def _cpu(process) -> float:
-        t = process.cpu_times()
-        return t.user + t.system
-
     def __enter__(self) -> "CpuPerToken":
-        self.start = (self._cpu(self.front), tree_cpu_seconds([self.front.pid]), self._cpu(self.client))
+        self.start = (process_cpu_seconds(self.front), tree_cpu_seconds([self.front.pid]), process_cpu_seconds(self.client))
         return self
 
     def count(self, results: list[dict]) -> list[dict]:
@@ -115,6 +115,6 @@ class CpuPerToken:
         return results
 
     def __exit__(self, *exc) -> None:
-        end = (self._cpu(self.front), tree_cpu_seconds([self.front.pid]), self._cpu(self.client))
+        end = (process_cpu_seconds(self.front), tree_cpu_seconds([self.front.pid]), process_cpu_seconds(self.client))
         front, tree, client = ((e - s) * 1e3 / max(self.tokens, 1) for s, e in zip(self.start, end))
         self.figures = {"front": round(front, 3), "children": round(tree - front, 3), "client": round(client, 3)}

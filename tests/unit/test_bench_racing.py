@@ -94,7 +94,7 @@ def test_cpu_per_token_splits_the_front_its_children_and_the_client():
     import subprocess
     import time
 
-    from racing import CpuPerToken
+    from racing import CpuPerToken, tree_cpu_seconds
 
     # a "server" whose child spins 0.4 CPU seconds while the server itself sleeps
     # (the child waits 1 s, so its spin falls inside the counted block)
@@ -109,7 +109,7 @@ def test_cpu_per_token_splits_the_front_its_children_and_the_client():
             while time.process_time() - t < 0.2:  # the client's own work
                 pass
             deadline = time.monotonic() + 20
-            while _tree_seconds(front.pid) - cpu.start[1] < 0.35:
+            while tree_cpu_seconds([front.pid]) - cpu.start[1] < 0.35:
                 assert time.monotonic() < deadline, "the child never spun"
                 time.sleep(0.05)
             cpu.count([{"tokens": 60}, {"tokens": 40}])
@@ -121,9 +121,3 @@ def test_cpu_per_token_splits_the_front_its_children_and_the_client():
         subprocess.run(["pkill", "-P", str(front.pid)], check=False)
         front.kill()
         front.wait()
-
-
-def _tree_seconds(pid: int) -> float:
-    from racing import tree_cpu_seconds
-
-    return tree_cpu_seconds([pid])
