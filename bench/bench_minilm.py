@@ -6,7 +6,12 @@ What is measured, all on the same fixed, seeded set of 64 English sentences:
    a time, through the real daemon with the stock `tritonclient.grpc` client,
    versus calling onnxruntime in-process on the same sentences (tokenizer +
    InferenceSession, 2 intra-op threads like the daemon): the overhead a caller
-   pays for going through gRPC and the daemon.
+   pays for going through gRPC and the daemon. Two floors ride along: an
+   empty call (ServerLive) and the smallest inference (`tiny`, a 4-float
+   ONNX graph loaded inline: the daemon's whole request path with no work in
+   it). In-process plus the tiny round trip is the least any request through
+   this daemon and client can take here; the summary reports the daemon
+   against that too.
 2. Throughput in requests/s of single-sentence requests: 32 concurrent clients
    (asyncio tasks on one `tritonclient.grpc.aio` client) sending in a loop
    with dynamic batching ON (`minilm`, max_batch_size 64) versus OFF
@@ -70,6 +75,7 @@ THROUGHPUT_BLOCK_S = 4.0  # per variant per round: 8 s in all
 THROUGHPUT_RAMP_S = 0.5  # unmeasured start of each daemon block: connections up, batcher queue filled
 
 NOBATCH_MODEL = "minilm_nobatch"
+TINY_MODEL = "tiny"
 NOBATCH_CONFIG = {"format": "onnx",
                   "text": {"tokenizer": "tokenizer.json", "input": "text", "max_length": MAX_LENGTH},
                   "onnx": {"intra_op_threads": INTRA_OP_THREADS}}
@@ -199,6 +205,23 @@ def load_nobatch_copy(client) -> None:
     files = {"file:model.onnx": (MODEL_DIR / "model.onnx").read_bytes(),
              "file:tokenizer.json": (MODEL_DIR / "tokenizer.json").read_bytes()}
     client.load_model(NOBATCH_MODEL, config=json.dumps(NOBATCH_CONFIG), files=files)
+
+
+def load_tiny(client):
+    """Loads the 4-float graph (tests/onnx_fixtures.add_fp32) inline, batched like minilm;
+    returns its request inputs."""
+    import tritonclient.grpc as grpcclient
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from onnx_fixtures import add_fp32, triton_config
+
+    config = triton_config(TINY_MODEL, [("x", "FP32", [4])], [("y", "FP32", [4])], max_batch_size=64)
+    client.load_model(TINY_MODEL, config=json.dumps(config), files={"file:1/model.onnx": add_fp32()})
+    inp = grpcclient.InferInput("x", [1, 4], "FP32")
+    inp.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
+    if not np.array_equal(client.infer(TINY_MODEL, [inp]).as_numpy("y"), np.full((1, 4), 2.0, np.float32)):
+        raise RuntimeError("the tiny floor model answered wrongly")
+    return [inp]
 
 
 def execution_counts(client, model: str) -> tuple[int, int]:
@@ -368,12 +391,16 @@ def measure(daemon: Daemon, sentences: list[str], results: dict, only_latency: b
             float(np.abs(client.infer("minilm", requests[i]).as_numpy("embedding")
                          - onnx.embed(sentences[i])).max()) for i in range(8))
 
+        tiny = load_tiny(client)
         lat = interleaved_latency({
             "daemon": lambda i: client.infer("minilm", requests[i]),
             "inproc_onnxruntime": lambda i: onnx.embed(sentences[i]),
-            # Not a goal: an empty RPC splits the daemon's overhead into transport vs inference path.
+            # Not goals: floors that split the daemon's overhead into transport (an empty
+            # call) and the request path every inference takes (a model with no work).
             "daemon_empty_rpc_server_live": lambda i: client.is_server_live(),
+            "daemon_tiny_model_floor": lambda i: client.infer(TINY_MODEL, tiny),
         }, len(sentences))
+        client.unload_model(TINY_MODEL)
         results["latency"] = lat
         for name, r in lat.items():
             print(f"latency {name:<30} p50 {r['p50_ms']:6.2f} ms  p99 {r['p99_ms']:6.2f} ms  "
@@ -415,6 +442,7 @@ def goals(r: dict) -> dict:
         "latency_p50_daemon_over_inproc": ratio,
         "latency_p50_limit_ms": latency_limit,
         "latency_p50_goal_pass": latency_ok,
+        "latency_floor": latency_floor(r),
         "batching_on_over_off": on / off,
         "batching_speedup_goal_pass": on / off >= 3.0,
         "batching_on_over_sentence_transformers": on / st,
@@ -429,6 +457,16 @@ def latency_goal(r: dict) -> tuple[float, float, bool]:
     return lat_d / lat_i, limit, lat_d <= limit
 
 
+def latency_floor(r: dict) -> dict:
+    """The daemon against the least a request through it can take here: in-process
+    plus the round trip of a model that does no work (p50s)."""
+    lat = r["latency"]
+    daemon, inproc = lat["daemon"]["p50_ms"], lat["inproc_onnxruntime"]["p50_ms"]
+    tiny = lat["daemon_tiny_model_floor"]["p50_ms"]
+    return {"daemon_overhead_ms": daemon - inproc, "tiny_model_round_trip_ms": tiny,
+            "inproc_plus_tiny_ms": inproc + tiny, "daemon_over_inproc_plus_tiny": daemon / (inproc + tiny)}
+
+
 def print_latency_summary(r: dict) -> None:
     """The summary of an `--only latency` run: section 1's goal, the empty RPC, the load."""
     lat = r["latency"]
@@ -438,11 +476,18 @@ def print_latency_summary(r: dict) -> None:
           f"{lat['inproc_onnxruntime']['p50_ms']:.2f} ms (x{ratio:.2f}); "
           f"goal <= 1.15 x in-process + 0.5 = {limit:.2f} ms: {'PASS' if ok else 'FAIL'}")
     print(f"  (an empty gRPC call, ServerLive, takes p50 {lat['daemon_empty_rpc_server_live']['p50_ms']:.2f} ms of that)")
+    print_floor(latency_floor(r))
     print(f"daemon exit code {r['daemon_exit_code']}; {len(r['daemon_log_problems'])} warning/error "
           f"log lines; load average {r['machine']['load_avg_at_start'][0]:.2f} at start, "
           f"{r['machine']['load_avg_at_end'][0]:.2f} at end")
     for line in (r["daemon_log_problems"] + r["daemon_other_stderr"])[:10]:
         print(f"  daemon: {line[:300]}")
+
+
+def print_floor(f: dict) -> None:
+    print(f"  floor: a model with no work takes p50 {f['tiny_model_round_trip_ms']:.2f} ms round trip; "
+          f"daemon overhead {f['daemon_overhead_ms']:.2f} ms; daemon / (in-process + that) = "
+          f"x{f['daemon_over_inproc_plus_tiny']:.2f}")
 
 
 def print_summary(r: dict) -> None:
@@ -458,6 +503,7 @@ def print_summary(r: dict) -> None:
           f"{verdict(g['latency_p50_goal_pass'])}")
     print(f"  (an empty gRPC call, ServerLive, takes p50 "
           f"{lat['daemon_empty_rpc_server_live']['p50_ms']:.2f} ms of that)")
+    print_floor(g["latency_floor"])
     print(f"throughput: batching ON {thr['batching_on']['requests_per_s']:.1f} req/s vs OFF "
           f"{thr['batching_off']['requests_per_s']:.1f} req/s (x{g['batching_on_over_off']:.2f}); "
           f"goal >= x3: {verdict(g['batching_speedup_goal_pass'])}")
