@@ -18,7 +18,7 @@ Ratios are per round (modeld / llama-server), reported as medians. Each
 side starts once both servers are idle (racing.settle), so no side pays for
 the other's threads still polling for work.
 
-    .venv/bin/python bench/bench_llama_server.py [--rounds 3]
+    .venv/bin/python bench/bench_llama_server.py [--rounds 5]
 
 Writes bench/results/llama_server.json and llama_server.png.
 """
@@ -276,7 +276,7 @@ def chart(record: dict, path: Path) -> None:
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     if not (PEER_BIN / "llama-server").exists():
         sys.exit("llama-server is not built: run `bash bench/peers/llama_server.sh` (or `make bench`)")
