@@ -106,8 +106,12 @@ class CpuPerToken:
 
         self.front, self.client, self.tokens = psutil.Process(pid), psutil.Process(), 0
 
+    def _reading(self) -> tuple[float, float, float]:
+        """(front, front with its children, client) CPU seconds so far."""
+        return process_cpu_seconds(self.front), tree_cpu_seconds([self.front.pid]), process_cpu_seconds(self.client)
+
     def __enter__(self) -> "CpuPerToken":
-        self.start = (process_cpu_seconds(self.front), tree_cpu_seconds([self.front.pid]), process_cpu_seconds(self.client))
+        self.start = self._reading()
         return self
 
     def count(self, results: list[dict]) -> list[dict]:
@@ -115,6 +119,5 @@ class CpuPerToken:
         return results
 
     def __exit__(self, *exc) -> None:
-        end = (process_cpu_seconds(self.front), tree_cpu_seconds([self.front.pid]), process_cpu_seconds(self.client))
-        front, tree, client = ((e - s) * 1e3 / max(self.tokens, 1) for s, e in zip(self.start, end))
+        front, tree, client = ((e - s) * 1e3 / max(self.tokens, 1) for s, e in zip(self.start, self._reading()))
         self.figures = {"front": round(front, 3), "children": round(tree - front, 3), "client": round(client, 3)}
