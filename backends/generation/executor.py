@@ -15,8 +15,10 @@ class StepExecutor(ABC):
     """Runs one scheduled step on a model and knows its vocabulary.
 
     `run` reads nothing but the plan: no scheduler, no sequences. It is
-    called from a worker thread, one step at a time; everything else is
-    called from the event loop between steps.
+    called from the model's worker thread, one step at a time, and so are
+    `token_bytes` and `is_end_of_generation` (the loop samples there);
+    `tokenize` and `apply_chat_template` are called from the event loop,
+    possibly while a step runs.
     """
 
     vocab_size: int

@@ -6,6 +6,7 @@ carry their own status."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from modeld.backends.errors import ErrorKind
 from modeld.backends.generation.draft import DraftModel
 from modeld.backends.generation.executor import StepExecutor
+from modeld.backends.generation import loop as loop_module
 from modeld.backends.generation.loop import GenerationLoop
 from modeld.backends.generation.paged_scheduler import PagedConfig, PagedScheduler
 from modeld.backends.generation.params import (
@@ -168,3 +170,47 @@ def test_a_runtime_fault_finishes_the_sequences_as_unavailable(kind):
     assert final.error_kind is ErrorKind.UNAVAILABLE
     assert "running the model" in final.error and "device lost" in final.error
     assert not loop.scheduler.has_work()
+
+
+class SlowRunner(CountingRunner):
+    """A step that takes as long as a real one might."""
+
+    def __init__(self, step_s: float) -> None:
+        super().__init__()
+        self.step_s = step_s
+
+    def run(self, plan):
+        time.sleep(self.step_s)
+        return super().run(plan)
+
+
+def _count_handoffs(loop: GenerationLoop) -> list[int]:
+    calls = []
+    real = loop._in_worker
+
+    async def counting(fn, *args):
+        calls.append(1)
+        return await real(fn, *args)
+    loop._in_worker = counting
+    return calls
+
+
+def test_consecutive_steps_run_on_the_worker_without_a_hand_off_each():
+    loop = GenerationLoop(runner=SlowRunner(0.001), scheduler=_schedulers()["slots"])
+    handoffs = _count_handoffs(loop)
+    request = _request("hello", max_tokens=30)
+    tokens, final = _serve(loop, lambda: _collect(loop, request))
+    assert tokens == _expected(request) and final.finish_reason is FinishReason.LENGTH
+    steps = len(loop.runner.plans)
+    assert steps >= 30 and len(handoffs) <= steps // 3
+
+
+def test_a_burst_gives_the_worker_back_after_burst_s(monkeypatch):
+    monkeypatch.setattr(loop_module, "BURST_S", 0.02)
+    loop = GenerationLoop(runner=SlowRunner(0.01), scheduler=_schedulers()["slots"])
+    handoffs = _count_handoffs(loop)
+    request = _request("hello", max_tokens=20)
+    tokens, _ = _serve(loop, lambda: _collect(loop, request))
+    assert tokens == _expected(request)
+    # a burst ends at the first step that ends past 20 ms: at most 3 steps of 10 ms
+    assert len(handoffs) >= len(loop.runner.plans) // 3
