@@ -230,6 +230,11 @@ def summarise(runs: list[dict]) -> dict:
         # the same two cores reaches (no goal; it bounds ours)
         "peer_8_streams_over_ceiling": median_ratio(series("llama-server", "fresh", "tok_s"),
                                                     [g["ceiling"][8]["decode_tok_s"] for g in runs]),
+        # one stream against batched-bench's one-sequence decode (the bare
+        # loop on the same cores): how near each server comes to the machine
+        "single_over_ceiling": {side: median_ratio(series(side, "single", "tok_s"),
+                                                   [g["ceiling"][1]["decode_tok_s"] for g in runs])
+                                for side in ("modeld", "llama-server")},
         # one stream: CPU ms per token by process (CpuPerToken), medians of rounds
         "single_cpu_ms_per_token": {side: {part: statistics.median(g[side]["single"]["cpu_ms_per_token"][part] for g in runs)
                                            for part in ("front", "children", "client")}
@@ -294,6 +299,8 @@ def main() -> None:
     for side, parts in summary["single_cpu_ms_per_token"].items():
         print(f"1 stream, CPU ms per token, {side}: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
     print(f"llama-server's own 8 streams: {summary['peer_8_streams_over_ceiling']:.2f}x of batched-bench's decode")
+    print("1 stream against batched-bench's 1-sequence decode: " + ", ".join(
+        f"{side} {ratio:.2f}x" for side, ratio in summary["single_over_ceiling"].items()))
     print(f"modeld warm/fresh {summary['modeld_warm_over_fresh']:.2f}x, llama-server warm/fresh "
           f"{summary['peer_warm_over_fresh']:.2f}x")
 

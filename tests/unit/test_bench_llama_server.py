@@ -1,0 +1,36 @@
+"""bench_llama_server's summary: goals as medians of per-round ratios, and
+each server's single stream against batched-bench's one-sequence decode."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+bench = pytest.importorskip("bench_llama_server")
+
+
+def _side(single: float, fresh: float, warm: float) -> dict:
+    cpu = {"front": 0.8, "children": 20.0, "client": 0.5}
+    return {"single": {"tok_s": single, "ttft_s": 0.05, "cpu_ms_per_token": cpu},
+            "fresh": {"tok_s": fresh, "median_ttft_s": 1.0},
+            "warm": {"tok_s": warm, "median_ttft_s": 1.2}}
+
+
+def _round(single: float, peer_single: float, ceiling1: float) -> dict:
+    return {"modeld": _side(single, 100, 95), "llama-server": _side(peer_single, 100, 100),
+            "ceiling": {1: {"decode_tok_s": ceiling1}, 8: {"decode_tok_s": 110}}}
+
+
+def test_single_stream_is_set_against_the_one_sequence_ceiling():
+    runs = [_round(80, 90, 100), _round(90, 95, 100), _round(88, 99, 110)]
+    summary = bench.summarise(runs)
+    assert summary["single_over_ceiling"]["modeld"] == pytest.approx(0.8)
+    assert summary["single_over_ceiling"]["llama-server"] == pytest.approx(0.9)
+    single = summary["goals"]["1 stream vs llama-server"]
+    assert single["ratio"] == pytest.approx(80 / 90) and not single["met"]
+    assert summary["goals"]["8 streams fresh vs llama-server"]["met"]
+    assert not summary["goals"]["8 streams warm vs llama-server"]["met"]
+    assert summary["goals"]["8 streams vs llama-batched-bench decode"]["ratio"] == pytest.approx(100 / 110)

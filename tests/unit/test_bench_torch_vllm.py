@@ -1,0 +1,36 @@
+"""bench_torch_vllm's summary: the medians, the goal, and where the goal
+sits against the decode floor measured in the same rounds."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+bench = pytest.importorskip("bench_torch_vllm")
+
+
+def _side(rate: float, text: str = "t") -> dict:
+    return {"tokens_per_s": rate, "ttft_p50_ms": 100.0, "texts": [text]}
+
+
+def _round(modeld: float, vllm: float, floor: float) -> dict:
+    scenario = {"modeld": _side(modeld), "vllm": _side(vllm)}
+    ceiling = {"tokens_per_s": floor}
+    return {"streams8": scenario, "streams1": dict(scenario),
+            "ceiling": {"streams8": ceiling, "streams1": ceiling}}
+
+
+def test_the_goal_is_placed_against_the_floor_at_vllms_own_fraction():
+    rounds = [_round(70, 80, 100), _round(75, 70, 100), _round(90, 60, 100)]
+    medians, ratios, agreement, ceiling = bench.summarise(rounds)
+    c = ceiling["streams8"]
+    assert c["modeld_over_floor"] == 0.75 and c["vllm_over_floor"] == 0.7
+    # beating vLLM by 1.25x at 0.7 of the floor needs 0.875 of it
+    assert c["goal_needs_modeld_over_floor"] == 0.875
+    assert ratios["streams8"]["rounds"] == [0.875, 1.071, 1.5]
+    assert ratios["streams8"]["ratio"] == pytest.approx(75 / 70) and not ratios["streams8"]["met"]
+    assert agreement["streams8"] == {"identical_texts": 3, "of": 3}
+    assert medians["streams1"]["modeld"]["tokens_per_s"] == 75
