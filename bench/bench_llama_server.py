@@ -14,6 +14,10 @@ between rounds:
           both), then the same 8 streams again
 The one-stream phase also records CPU ms per token by process
 (racing.CpuPerToken): where modeld's time goes beside llama-server's.
+The ceiling's turn runs llama-batched-bench (1 and 8 sequences), then its
+one-sequence decode again beside a bare gRPC token stream at that rate
+(grpc_load.py): the best a server that streams over gRPC in Python can do
+on the same two cores.
 Ratios are per round (modeld / llama-server), reported as medians. Each
 side starts once both servers are idle (racing.settle), so no side pays for
 the other's threads still polling for work.
@@ -42,6 +46,7 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_llamacpp import GGUF, PROMPTS, UNRELATED, Modeld, concurrent_threads, free_port  # noqa: E402
+from grpc_load import GrpcStreamLoad  # noqa: E402
 from racing import CpuPerToken, goal, machine, median_ratio, round_order, settle  # noqa: E402
 
 PEER_BIN = ROOT / "var/peers/llama.cpp/bin"
@@ -141,22 +146,38 @@ async def run_modeld(node: Modeld) -> dict:
     return {"single": single, "fresh": fresh, "warm": warm}
 
 
-def batched_bench() -> dict:
+def batched_bench(sequences: str = "1,8") -> dict:
     """llama-batched-bench's decode speed at 1 and 8 sequences: what this
-    hardware does on the same work with no server around it."""
+    hardware does on the same work with no server around it. A count given
+    more than once runs that many times: its figures are the medians."""
     out = subprocess.run(
         [str(PEER_BIN / "llama-batched-bench"), "-m", str(GGUF), "-c", "4096", "-b", "512", "-ub", "512",
-         "-npp", "32", "-ntg", str(NEW_TOKENS), "-npl", "1,8", "-t", str(THREADS)],
+         "-npp", "32", "-ntg", str(NEW_TOKENS), "-npl", sequences, "-t", str(THREADS)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=True, timeout=600).stdout
     # table rows: |  PP |  TG |  B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
-    rows = {}
+    runs: dict[int, list[tuple[float, float]]] = {}
     for line in out.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 8 and re.fullmatch(r"\d+", cells[0] or "x"):
-            rows[int(cells[2])] = {"decode_tok_s": float(cells[7]), "prompt_tok_s": float(cells[5])}
-    if 8 not in rows:
+            runs.setdefault(int(cells[2]), []).append((float(cells[7]), float(cells[5])))
+    wanted = [int(n) for n in sequences.split(",")]
+    if any(len(runs.get(n, ())) != wanted.count(n) for n in wanted):
         raise RuntimeError(f"could not read llama-batched-bench's table:\n{out}")
-    return rows
+    return {n: {"decode_tok_s": statistics.median(d for d, _ in got), "prompt_tok_s": statistics.median(p for _, p in got)}
+            for n, got in runs.items()}
+
+
+def grpc_ceiling(rate: float) -> dict:
+    """batched-bench's one-sequence decode (median of three) while a bare
+    gRPC stream of `rate` tokens a second runs from a Python server to a
+    Python client (grpc_load.py), and right before without it: the best a
+    server streaming over gRPC in Python can do on these two cores, whatever
+    else it does. One 128-token decode lasts about a second and a half here,
+    too short to stand alone on this machine."""
+    plain = batched_bench("1,1,1")[1]["decode_tok_s"]
+    with GrpcStreamLoad(rate) as load:
+        loaded = batched_bench("1,1,1")[1]["decode_tok_s"]
+    return {"decode_tok_s": loaded, "plain_decode_tok_s": plain, "load": load.figures}
 
 
 SIDES = ["modeld", "llama-server", "ceiling"]
@@ -181,6 +202,7 @@ async def race(rounds: int) -> dict:
                     got[side] = run_peer(peer)
                 else:
                     got[side] = batched_bench()
+                    got["ceiling_grpc"] = grpc_ceiling(got[side][1]["decode_tok_s"])
         finally:
             node.stop()
             peer.stop()
@@ -191,7 +213,8 @@ async def race(rounds: int) -> dict:
         print(f"round {r} ({got['first']} first): 8 streams fresh {m['fresh']['tok_s']:.1f} vs {p['fresh']['tok_s']:.1f} "
               f"tok/s, warm {m['warm']['tok_s']:.1f} vs {p['warm']['tok_s']:.1f}; 1 stream {m['single']['tok_s']:.1f} "
               f"vs {p['single']['tok_s']:.1f}; ttft@8 {m['fresh']['median_ttft_s']:.2f} vs {p['fresh']['median_ttft_s']:.2f} s; "
-              f"batched-bench 8 seq {got['ceiling'][8]['decode_tok_s']:.1f}",
+              f"batched-bench 8 seq {got['ceiling'][8]['decode_tok_s']:.1f}, 1 seq {got['ceiling'][1]['decode_tok_s']:.1f}, "
+              f"1 seq beside a gRPC stream {got['ceiling_grpc']['decode_tok_s']:.1f}",
               flush=True)
     return {"rounds": runs}
 
@@ -235,6 +258,15 @@ def summarise(runs: list[dict]) -> dict:
         "single_over_ceiling": {side: median_ratio(series(side, "single", "tok_s"),
                                                    [g["ceiling"][1]["decode_tok_s"] for g in runs])
                                 for side in ("modeld", "llama-server")},
+        # the same decode beside a bare gRPC token stream (grpc_ceiling): what
+        # streaming in Python costs the decode, and modeld against that ceiling
+        "grpc_ceiling_over_ceiling": median_ratio([g["ceiling_grpc"]["decode_tok_s"] for g in runs],
+                                                  [g["ceiling_grpc"]["plain_decode_tok_s"] for g in runs]),
+        "single_over_grpc_ceiling": median_ratio(series("modeld", "single", "tok_s"),
+                                                 [g["ceiling_grpc"]["decode_tok_s"] for g in runs]),
+        "grpc_stream_cpu_ms_per_message": {
+            part: statistics.median(g["ceiling_grpc"]["load"][f"{part}_cpu_ms_per_message"] for g in runs)
+            for part in ("server", "client")},
         # one stream: CPU ms per token by process (CpuPerToken), medians of rounds
         "single_cpu_ms_per_token": {side: {part: statistics.median(g[side]["single"]["cpu_ms_per_token"][part] for g in runs)
                                            for part in ("front", "children", "client")}
@@ -301,6 +333,10 @@ def main() -> None:
     print(f"llama-server's own 8 streams: {summary['peer_8_streams_over_ceiling']:.2f}x of batched-bench's decode")
     print("1 stream against batched-bench's 1-sequence decode: " + ", ".join(
         f"{side} {ratio:.2f}x" for side, ratio in summary["single_over_ceiling"].items()))
+    cost = summary["grpc_stream_cpu_ms_per_message"]
+    print(f"the same decode beside a bare gRPC stream (server {cost['server']:.2f} + client {cost['client']:.2f} CPU ms "
+          f"a token): {summary['grpc_ceiling_over_ceiling']:.2f}x of it; modeld's 1 stream "
+          f"{summary['single_over_grpc_ceiling']:.2f}x of that")
     print(f"modeld warm/fresh {summary['modeld_warm_over_fresh']:.2f}x, llama-server warm/fresh "
           f"{summary['peer_warm_over_fresh']:.2f}x")
 

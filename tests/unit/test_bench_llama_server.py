@@ -19,9 +19,11 @@ def _side(single: float, fresh: float, warm: float) -> dict:
             "warm": {"tok_s": warm, "median_ttft_s": 1.2}}
 
 
-def _round(single: float, peer_single: float, ceiling1: float) -> dict:
+def _round(single: float, peer_single: float, ceiling1: float, grpc1: float = 90) -> dict:
+    load = {"server_cpu_ms_per_message": 0.8, "client_cpu_ms_per_message": 0.5}
     return {"modeld": _side(single, 100, 95), "llama-server": _side(peer_single, 100, 100),
-            "ceiling": {1: {"decode_tok_s": ceiling1}, 8: {"decode_tok_s": 110}}}
+            "ceiling": {1: {"decode_tok_s": ceiling1}, 8: {"decode_tok_s": 110}},
+            "ceiling_grpc": {"decode_tok_s": grpc1, "plain_decode_tok_s": ceiling1, "load": load}}
 
 
 def test_single_stream_is_set_against_the_one_sequence_ceiling():
@@ -34,3 +36,11 @@ def test_single_stream_is_set_against_the_one_sequence_ceiling():
     assert summary["goals"]["8 streams fresh vs llama-server"]["met"]
     assert not summary["goals"]["8 streams warm vs llama-server"]["met"]
     assert summary["goals"]["8 streams vs llama-batched-bench decode"]["ratio"] == pytest.approx(100 / 110)
+
+
+def test_single_stream_is_set_against_the_decode_beside_a_grpc_stream():
+    runs = [_round(80, 90, 100, grpc1=85), _round(90, 95, 100, grpc1=90), _round(88, 99, 110, grpc1=99)]
+    summary = bench.summarise(runs)
+    assert summary["grpc_ceiling_over_ceiling"] == pytest.approx(0.9)
+    assert summary["single_over_grpc_ceiling"] == pytest.approx(80 / 85)
+    assert summary["grpc_stream_cpu_ms_per_message"] == {"server": 0.8, "client": 0.5}

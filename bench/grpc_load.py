@@ -1,0 +1,143 @@
+"""A bare gRPC token stream, for a ceiling that carries it.
+
+One stream at a time of modeld's own GenerateResponse messages (one token
+id and its text each), from a grpc.aio server that does nothing else to a
+grpc.aio client, in two processes, paced at `rate` messages a second.
+Running llama-batched-bench beside it gives the best a Python gRPC server
+can do on the same cores: llama.cpp's bare decode, plus the CPU that
+streaming each token over gRPC in Python takes from it. On two cores that
+CPU comes out of the decode threads' time, whatever the server does.
+
+    .venv/bin/python bench/grpc_load.py --rate 95   # until terminated
+
+`GrpcStreamLoad` runs it around a block and reports the messages and the
+CPU milliseconds each took on the server and the client side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cpu_s(pid: int) -> float:
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def _serve(port: int, interval_s: float) -> None:
+    import grpc
+
+    from modeld.gen import generation_pb2 as g
+    from modeld.gen import generation_pb2_grpc as gg
+
+    class Stream(gg.GenerationServicer):
+        async def Generate(self, request, context):
+            i, next_at = 0, time.monotonic()
+            while True:  # until the client leaves
+                next_at += interval_s
+                await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+                yield g.GenerateResponse(token_ids=[i % 49152], text=" token")
+                i += 1
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        gg.add_GenerationServicer_to_server(Stream(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def _consume(port: int, server: multiprocessing.Process) -> None:
+    """Read the stream until SIGTERM; print the server's pid once the first
+    message is in, and the count of messages at the end."""
+    import grpc
+
+    from modeld.gen import generation_pb2 as g
+    from modeld.gen import generation_pb2_grpc as gg
+
+    count = 0
+
+    async def main() -> None:
+        nonlocal count
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            async for response in gg.GenerationStub(channel).Generate(g.GenerateRequest(model="load"),
+                                                                      wait_for_ready=True):
+                if not count:
+                    print(f"streaming {server.pid}", flush=True)
+                count += len(response.token_ids)
+
+    def stop(*_) -> None:
+        server.kill()
+        print(f"messages {count}", flush=True)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    asyncio.run(main())
+
+
+class GrpcStreamLoad:
+    """The stream in its own processes around a `with` block; afterwards
+    `figures` holds its rate and the CPU ms per message on each side."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.figures: dict = {}
+
+    def __enter__(self) -> GrpcStreamLoad:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from bench_llamacpp import free_port
+
+        self.proc = subprocess.Popen([sys.executable, __file__, "--rate", str(self.rate), "--port", str(free_port())],
+                                     stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        line = self.proc.stdout.readline()  # "streaming <server pid>": the first message is in
+        if not line.startswith("streaming"):
+            self.proc.kill()
+            raise RuntimeError(f"the gRPC stream load did not start: {line!r}")
+        self.server_pid = int(line.split()[1])
+        self.cpu0 = (_cpu_s(self.server_pid), _cpu_s(self.proc.pid))
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        cpu = (_cpu_s(self.server_pid), _cpu_s(self.proc.pid))
+        wall = time.perf_counter() - self.start
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=30)
+        messages = max(1, round(wall * self.rate))  # paced by the server: its rate times the block's length
+        self.figures = {
+            "rate": self.rate, "wall_s": round(wall, 2),
+            "messages_since_start": int(out.split()[-1]) if out.startswith("messages") else None,
+            "server_cpu_ms_per_message": round((cpu[0] - self.cpu0[0]) * 1e3 / messages, 3),
+            "client_cpu_ms_per_message": round((cpu[1] - self.cpu0[1]) * 1e3 / messages, 3),
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", type=float, required=True, help="messages a second")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    server = multiprocessing.Process(target=_serve, args=(args.port, 1 / args.rate), daemon=True)
+    server.start()
+    try:
+        _consume(args.port, server)
+    finally:
+        server.kill()
+
+
+if __name__ == "__main__":
+    main()
