@@ -395,7 +395,10 @@ def test_closing_a_stream_frees_the_sequence(daemon):
         with c.stream("POST", f"http://127.0.0.1:{daemon.http_port}/v1/completions", json=body) as reply:
             assert reply.status_code == 200
             chunks = 0
-            for line in reply.iter_lines():
+            # held: an iterator left to the garbage collector closes the
+            # response, and the client would leave before the check below
+            lines = reply.iter_lines()
+            for line in lines:
                 chunks += line.startswith("data: ")
                 if chunks == 3:
                     break
