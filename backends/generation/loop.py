@@ -368,4 +368,7 @@ def _deliver(outbox: list[tuple]) -> None:
     """On the event loop: one step's events to their streams, and its figures
     to the observer, in the order the step made them."""
     for call, *args in outbox:
-        call(*args)
+        try:
+            call(*args)
+        except Exception:  # an observer that fails must not hold back the events after it
+            log.exception("generation_delivery_failed")

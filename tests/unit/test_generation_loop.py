@@ -214,3 +214,21 @@ def test_a_burst_gives_the_worker_back_after_burst_s(monkeypatch):
     assert tokens == _expected(request)
     # a burst ends at the first step that ends past 20 ms: at most 3 steps of 10 ms
     assert len(handoffs) >= len(loop.runner.plans) // 3
+
+
+class FailingObserver:
+    def on_step(self, *args):
+        raise ConnectionResetError("the channel is closed")
+
+    def on_tokens(self, *args):
+        raise ConnectionResetError("the channel is closed")
+
+    def on_finish(self, *args):
+        raise ConnectionResetError("the channel is closed")
+
+
+def test_an_observer_that_fails_holds_back_no_event():
+    loop = GenerationLoop(runner=CountingRunner(), scheduler=_schedulers()["slots"], observer=FailingObserver())
+    request = _request("hello", max_tokens=5)
+    tokens, final = _serve(loop, lambda: asyncio.wait_for(_collect(loop, request), 10))
+    assert tokens == _expected(request) and final.finish_reason is FinishReason.LENGTH
