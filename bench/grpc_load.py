@@ -27,13 +27,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _cpu_s(pid: int) -> float:
-    import psutil
-
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system
+sys.path.insert(0, str(ROOT / "bench"))
+from racing import process_cpu_seconds  # noqa: E402
 
 
 def _serve(port: int, interval_s: float) -> None:
@@ -98,7 +93,7 @@ class GrpcStreamLoad:
         self.figures: dict = {}
 
     def __enter__(self) -> GrpcStreamLoad:
-        sys.path.insert(0, str(ROOT / "bench"))
+        import psutil
         from bench_llamacpp import free_port
 
         self.proc = subprocess.Popen([sys.executable, __file__, "--rate", str(self.rate), "--port", str(free_port())],
@@ -107,13 +102,13 @@ class GrpcStreamLoad:
         if not line.startswith("streaming"):
             self.proc.kill()
             raise RuntimeError(f"the gRPC stream load did not start: {line!r}")
-        self.server_pid = int(line.split()[1])
-        self.cpu0 = (_cpu_s(self.server_pid), _cpu_s(self.proc.pid))
+        self.sides = (psutil.Process(int(line.split()[1])), psutil.Process(self.proc.pid))
+        self.cpu0 = tuple(map(process_cpu_seconds, self.sides))
         self.start = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
-        cpu = (_cpu_s(self.server_pid), _cpu_s(self.proc.pid))
+        cpu = tuple(map(process_cpu_seconds, self.sides))
         wall = time.perf_counter() - self.start
         self.proc.terminate()
         out, _ = self.proc.communicate(timeout=30)
