@@ -15,9 +15,9 @@ between rounds:
 The one-stream phase also records CPU ms per token by process
 (racing.CpuPerToken): where modeld's time goes beside llama-server's.
 The ceiling's turn runs llama-batched-bench (1 and 8 sequences), then its
-one-sequence decode again beside a bare gRPC token stream at that rate
-(grpc_load.py): the best a server that streams over gRPC in Python can do
-on the same two cores.
+one-sequence decode again beside a bare gRPC token stream at that rate, and
+its 8-sequence decode beside 8 such streams (grpc_load.py): the best a
+server that streams over gRPC in Python can do on the same two cores.
 Ratios are per round (modeld / llama-server), reported as medians. Each
 side starts once both servers are idle (racing.settle), so no side pays for
 the other's threads still polling for work.
@@ -167,16 +167,18 @@ def batched_bench(sequences: str = "1,8") -> dict:
             for n, got in runs.items()}
 
 
-def grpc_ceiling(rate: float) -> dict:
-    """batched-bench's one-sequence decode (median of three) while a bare
-    gRPC stream of `rate` tokens a second runs from a Python server to a
-    Python client (grpc_load.py), and right before without it: the best a
-    server streaming over gRPC in Python can do on these two cores, whatever
-    else it does. One 128-token decode lasts about a second and a half here,
-    too short to stand alone on this machine."""
-    plain = batched_bench("1,1,1")[1]["decode_tok_s"]
-    with GrpcStreamLoad(rate) as load:
-        loaded = batched_bench("1,1,1")[1]["decode_tok_s"]
+def grpc_ceiling(rate: float, sequences: int = 1) -> dict:
+    """batched-bench's decode of `sequences` sequences (median of three)
+    while as many bare gRPC streams, `rate` tokens a second in all, run from
+    a Python server to a Python client (grpc_load.py), and right before
+    without them: the best a server streaming over gRPC in Python can do on
+    these two cores, whatever else it does. One 128-token decode of one
+    sequence lasts about a second and a half here, too short to stand alone
+    on this machine."""
+    runs = ",".join([str(sequences)] * 3)
+    plain = batched_bench(runs)[sequences]["decode_tok_s"]
+    with GrpcStreamLoad(rate, streams=sequences) as load:
+        loaded = batched_bench(runs)[sequences]["decode_tok_s"]
     return {"decode_tok_s": loaded, "plain_decode_tok_s": plain, "load": load.figures}
 
 
@@ -203,6 +205,7 @@ async def race(rounds: int) -> dict:
                 else:
                     got[side] = batched_bench()
                     got["ceiling_grpc"] = grpc_ceiling(got[side][1]["decode_tok_s"])
+                    got["ceiling_grpc8"] = grpc_ceiling(got[side][8]["decode_tok_s"], 8)
         finally:
             node.stop()
             peer.stop()
@@ -214,7 +217,8 @@ async def race(rounds: int) -> dict:
               f"tok/s, warm {m['warm']['tok_s']:.1f} vs {p['warm']['tok_s']:.1f}; 1 stream {m['single']['tok_s']:.1f} "
               f"vs {p['single']['tok_s']:.1f}; ttft@8 {m['fresh']['median_ttft_s']:.2f} vs {p['fresh']['median_ttft_s']:.2f} s; "
               f"batched-bench 8 seq {got['ceiling'][8]['decode_tok_s']:.1f}, 1 seq {got['ceiling'][1]['decode_tok_s']:.1f}, "
-              f"1 seq beside a gRPC stream {got['ceiling_grpc']['decode_tok_s']:.1f}",
+              f"1 seq beside a gRPC stream {got['ceiling_grpc']['decode_tok_s']:.1f}, "
+              f"8 seq beside 8 {got['ceiling_grpc8']['decode_tok_s']:.1f}",
               flush=True)
     return {"rounds": runs}
 
@@ -266,6 +270,18 @@ def summarise(runs: list[dict]) -> dict:
                                                  [g["ceiling_grpc"]["decode_tok_s"] for g in runs]),
         "grpc_stream_cpu_ms_per_message": {
             part: statistics.median(g["ceiling_grpc"]["load"][f"{part}_cpu_ms_per_message"] for g in runs)
+            for part in ("server", "client")},
+        # the same at 8: batched-bench's 8-sequence decode beside 8 bare gRPC
+        # streams; against llama-server's 8 streams it is the most a Python
+        # gRPC server could reach in the race, were its own work free
+        "grpc8_ceiling_over_ceiling": median_ratio([g["ceiling_grpc8"]["decode_tok_s"] for g in runs],
+                                                   [g["ceiling_grpc8"]["plain_decode_tok_s"] for g in runs]),
+        "fresh_over_grpc8_ceiling": median_ratio(series("modeld", "fresh", "tok_s"),
+                                                 [g["ceiling_grpc8"]["decode_tok_s"] for g in runs]),
+        "grpc8_ceiling_over_peer_fresh": median_ratio([g["ceiling_grpc8"]["decode_tok_s"] for g in runs],
+                                                      series("llama-server", "fresh", "tok_s")),
+        "grpc8_stream_cpu_ms_per_message": {
+            part: statistics.median(g["ceiling_grpc8"]["load"][f"{part}_cpu_ms_per_message"] for g in runs)
             for part in ("server", "client")},
         # one stream: CPU ms per token by process (CpuPerToken), medians of rounds
         "single_cpu_ms_per_token": {side: {part: statistics.median(g[side]["single"]["cpu_ms_per_token"][part] for g in runs)
@@ -337,6 +353,11 @@ def main() -> None:
     print(f"the same decode beside a bare gRPC stream (server {cost['server']:.2f} + client {cost['client']:.2f} CPU ms "
           f"a token): {summary['grpc_ceiling_over_ceiling']:.2f}x of it; modeld's 1 stream "
           f"{summary['single_over_grpc_ceiling']:.2f}x of that")
+    cost8 = summary["grpc8_stream_cpu_ms_per_message"]
+    print(f"the 8-sequence decode beside 8 bare gRPC streams (server {cost8['server']:.2f} + client "
+          f"{cost8['client']:.2f} CPU ms a token): {summary['grpc8_ceiling_over_ceiling']:.2f}x of it, "
+          f"{summary['grpc8_ceiling_over_peer_fresh']:.2f}x of llama-server's 8 streams; modeld's 8 fresh "
+          f"streams {summary['fresh_over_grpc8_ceiling']:.2f}x of that")
     print(f"modeld warm/fresh {summary['modeld_warm_over_fresh']:.2f}x, llama-server warm/fresh "
           f"{summary['peer_warm_over_fresh']:.2f}x")
 

@@ -1,14 +1,17 @@
 """A bare gRPC token stream, for a ceiling that carries it.
 
-One stream at a time of modeld's own GenerateResponse messages (one token
-id and its text each), from a grpc.aio server that does nothing else to a
-grpc.aio client, in two processes, paced at `rate` messages a second.
+`streams` concurrent streams of modeld's own GenerateResponse messages
+(one token id and its text each), from a grpc.aio server that does nothing
+else to a grpc.aio client, in two processes, paced at `rate` messages a
+second in all (each stream at rate / streams, as a batch of sequences
+whose step yields one token each).
 Running llama-batched-bench beside it gives the best a Python gRPC server
 can do on the same cores: llama.cpp's bare decode, plus the CPU that
 streaming each token over gRPC in Python takes from it. On two cores that
 CPU comes out of the decode threads' time, whatever the server does.
 
-    .venv/bin/python bench/grpc_load.py --rate 95   # until terminated
+    .venv/bin/python bench/grpc_load.py --rate 95 --port 50100               # until terminated
+    .venv/bin/python bench/grpc_load.py --rate 140 --streams 8 --port 50100
 
 `GrpcStreamLoad` runs it around a block and reports the messages and the
 CPU milliseconds each took on the server and the client side.
@@ -56,24 +59,30 @@ def _serve(port: int, interval_s: float) -> None:
     asyncio.run(main())
 
 
-def _consume(port: int, server: multiprocessing.Process) -> None:
-    """Read the stream until SIGTERM; print the server's pid once the first
-    message is in, and the count of messages at the end."""
+def _consume(port: int, streams: int, server: multiprocessing.Process) -> None:
+    """Read the streams until SIGTERM; print the server's pid once the first
+    message of every stream is in, and the count of messages at the end."""
     import grpc
 
     from modeld.gen import generation_pb2 as g
     from modeld.gen import generation_pb2_grpc as gg
 
     count = 0
+    started: set[int] = set()
+
+    async def read(stub, n: int) -> None:
+        nonlocal count
+        async for response in stub.Generate(g.GenerateRequest(model="load"), wait_for_ready=True):
+            if n not in started:
+                started.add(n)
+                if len(started) == streams:
+                    print(f"streaming {server.pid}", flush=True)
+            count += len(response.token_ids)
 
     async def main() -> None:
-        nonlocal count
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            async for response in gg.GenerationStub(channel).Generate(g.GenerateRequest(model="load"),
-                                                                      wait_for_ready=True):
-                if not count:
-                    print(f"streaming {server.pid}", flush=True)
-                count += len(response.token_ids)
+            stub = gg.GenerationStub(channel)
+            await asyncio.gather(*(read(stub, n) for n in range(streams)))
 
     def stop(*_) -> None:
         server.kill()
@@ -88,15 +97,16 @@ class GrpcStreamLoad:
     """The stream in its own processes around a `with` block; afterwards
     `figures` holds its rate and the CPU ms per message on each side."""
 
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
+    def __init__(self, rate: float, streams: int = 1) -> None:
+        self.rate, self.streams = rate, streams
         self.figures: dict = {}
 
     def __enter__(self) -> GrpcStreamLoad:
         import psutil
         from bench_llamacpp import free_port
 
-        self.proc = subprocess.Popen([sys.executable, __file__, "--rate", str(self.rate), "--port", str(free_port())],
+        self.proc = subprocess.Popen([sys.executable, __file__, "--rate", str(self.rate), "--streams", str(self.streams),
+                                      "--port", str(free_port())],
                                      stdout=subprocess.PIPE, text=True, cwd=ROOT)
         line = self.proc.stdout.readline()  # "streaming <server pid>": the first message is in
         if not line.startswith("streaming"):
@@ -114,7 +124,7 @@ class GrpcStreamLoad:
         out, _ = self.proc.communicate(timeout=30)
         messages = max(1, round(wall * self.rate))  # paced by the server: its rate times the block's length
         self.figures = {
-            "rate": self.rate, "wall_s": round(wall, 2),
+            "rate": self.rate, "streams": self.streams, "wall_s": round(wall, 2),
             "messages_since_start": int(out.split()[-1]) if out.startswith("messages") else None,
             "server_cpu_ms_per_message": round((cpu[0] - self.cpu0[0]) * 1e3 / messages, 3),
             "client_cpu_ms_per_message": round((cpu[1] - self.cpu0[1]) * 1e3 / messages, 3),
@@ -124,12 +134,13 @@ class GrpcStreamLoad:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, required=True, help="messages a second")
+    parser.add_argument("--streams", type=int, default=1, help="concurrent streams sharing the rate")
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args()
-    server = multiprocessing.Process(target=_serve, args=(args.port, 1 / args.rate), daemon=True)
+    server = multiprocessing.Process(target=_serve, args=(args.port, args.streams / args.rate), daemon=True)
     server.start()
     try:
-        _consume(args.port, server)
+        _consume(args.port, args.streams, server)
     finally:
         server.kill()
 

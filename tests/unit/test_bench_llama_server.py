@@ -19,11 +19,14 @@ def _side(single: float, fresh: float, warm: float) -> dict:
             "warm": {"tok_s": warm, "median_ttft_s": 1.2}}
 
 
-def _round(single: float, peer_single: float, ceiling1: float, grpc1: float = 90, plain1: float | None = None) -> dict:
+def _round(single: float, peer_single: float, ceiling1: float, grpc1: float = 90, plain1: float | None = None,
+           fresh: float = 100, peer_fresh: float = 100, grpc8: float = 104, plain8: float = 110) -> dict:
     load = {"server_cpu_ms_per_message": 0.8, "client_cpu_ms_per_message": 0.5}
-    return {"modeld": _side(single, 100, 95), "llama-server": _side(peer_single, 100, 100),
+    load8 = {"server_cpu_ms_per_message": 0.2, "client_cpu_ms_per_message": 0.25}
+    return {"modeld": _side(single, fresh, 95), "llama-server": _side(peer_single, peer_fresh, 100),
             "ceiling": {1: {"decode_tok_s": ceiling1}, 8: {"decode_tok_s": 110}},
-            "ceiling_grpc": {"decode_tok_s": grpc1, "plain_decode_tok_s": plain1 or ceiling1, "load": load}}
+            "ceiling_grpc": {"decode_tok_s": grpc1, "plain_decode_tok_s": plain1 or ceiling1, "load": load},
+            "ceiling_grpc8": {"decode_tok_s": grpc8, "plain_decode_tok_s": plain8, "load": load8}}
 
 
 def test_single_stream_is_set_against_the_one_sequence_ceiling():
@@ -46,3 +49,17 @@ def test_single_stream_is_set_against_the_decode_beside_a_grpc_stream():
     assert summary["grpc_ceiling_over_ceiling"] == pytest.approx(0.9)  # not 0.81: against plain, not the 1,8 run
     assert summary["single_over_grpc_ceiling"] == pytest.approx(80 / 81)
     assert summary["grpc_stream_cpu_ms_per_message"] == {"server": 0.8, "client": 0.5}
+
+
+def test_eight_streams_are_set_against_the_decode_beside_eight_grpc_streams():
+    runs = [_round(80, 90, 100, fresh=90, peer_fresh=100, grpc8=95, plain8=100),
+            _round(80, 90, 100, fresh=99, peer_fresh=90, grpc8=99, plain8=110),
+            _round(80, 90, 100, fresh=96, peer_fresh=96, grpc8=120, plain8=120)]
+    summary = bench.summarise(runs)
+    # per-round ratios, then the median: 0.95, 0.9, 1.0
+    assert summary["grpc8_ceiling_over_ceiling"] == pytest.approx(0.95)
+    # 90/95, 99/99, 96/120
+    assert summary["fresh_over_grpc8_ceiling"] == pytest.approx(90 / 95)
+    # 95/100, 99/90, 120/96
+    assert summary["grpc8_ceiling_over_peer_fresh"] == pytest.approx(1.1)
+    assert summary["grpc8_stream_cpu_ms_per_message"] == {"server": 0.2, "client": 0.25}
