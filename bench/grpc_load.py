@@ -94,7 +94,7 @@ def _consume(port: int, streams: int, server: multiprocessing.Process) -> None:
 
 
 class GrpcStreamLoad:
-    """The stream in its own processes around a `with` block; afterwards
+    """The streams in their own processes around a `with` block; afterwards
     `figures` holds its rate and the CPU ms per message on each side."""
 
     def __init__(self, rate: float, streams: int = 1) -> None:
@@ -108,7 +108,7 @@ class GrpcStreamLoad:
         self.proc = subprocess.Popen([sys.executable, __file__, "--rate", str(self.rate), "--streams", str(self.streams),
                                       "--port", str(free_port())],
                                      stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        line = self.proc.stdout.readline()  # "streaming <server pid>": the first message is in
+        line = self.proc.stdout.readline()  # "streaming <server pid>": every stream's first message is in
         if not line.startswith("streaming"):
             self.proc.kill()
             raise RuntimeError(f"the gRPC stream load did not start: {line!r}")
