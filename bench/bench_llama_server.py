@@ -227,6 +227,16 @@ def summarise(runs: list[dict]) -> dict:
     def series(side: str, phase: str, key: str) -> list[float]:
         return [g[side][phase][key] for g in runs]
 
+    def ceiling(sequences: int) -> list[float]:
+        return [g["ceiling"][sequences]["decode_tok_s"] for g in runs]
+
+    def beside_grpc(key: str, field: str = "decode_tok_s") -> list[float]:
+        return [g[key][field] for g in runs]
+
+    def load_cost(key: str) -> dict[str, float]:
+        return {part: statistics.median(g[key]["load"][f"{part}_cpu_ms_per_message"] for g in runs)
+                for part in ("server", "client")}
+
     fresh = median_ratio(series("modeld", "fresh", "tok_s"), series("llama-server", "fresh", "tok_s"))
     warm = median_ratio(series("modeld", "warm", "tok_s"), series("llama-server", "warm", "tok_s"))
     single = median_ratio(series("modeld", "single", "tok_s"), series("llama-server", "single", "tok_s"))
@@ -236,10 +246,10 @@ def summarise(runs: list[dict]) -> dict:
     medians = {f"{side} {phase} {key}": statistics.median(series(side, phase, key))
                for side in ("modeld", "llama-server") for phase in ("single", "fresh", "warm")
                for key in (("tok_s", "ttft_s") if phase == "single" else ("tok_s", "median_ttft_s"))}
-    ceiling8 = statistics.median(g["ceiling"][8]["decode_tok_s"] for g in runs)
-    medians["ceiling 1 sequence decode tok_s"] = statistics.median(g["ceiling"][1]["decode_tok_s"] for g in runs)
+    ceiling8 = statistics.median(ceiling(8))
+    medians["ceiling 1 sequence decode tok_s"] = statistics.median(ceiling(1))
     medians["ceiling 8 sequences decode tok_s"] = ceiling8
-    ceiling_ratio = median_ratio(series("modeld", "fresh", "tok_s"), [g["ceiling"][8]["decode_tok_s"] for g in runs])
+    ceiling_ratio = median_ratio(series("modeld", "fresh", "tok_s"), ceiling(8))
     return {
         "medians": medians,
         "goals": {
@@ -255,34 +265,25 @@ def summarise(runs: list[dict]) -> dict:
         "best_modeld_8_streams_over_ceiling": best8 / ceiling8,
         # the peer against the same ceiling: what a server with its clients on
         # the same two cores reaches (no goal; it bounds ours)
-        "peer_8_streams_over_ceiling": median_ratio(series("llama-server", "fresh", "tok_s"),
-                                                    [g["ceiling"][8]["decode_tok_s"] for g in runs]),
+        "peer_8_streams_over_ceiling": median_ratio(series("llama-server", "fresh", "tok_s"), ceiling(8)),
         # one stream against batched-bench's one-sequence decode (the bare
         # loop on the same cores): how near each server comes to the machine
-        "single_over_ceiling": {side: median_ratio(series(side, "single", "tok_s"),
-                                                   [g["ceiling"][1]["decode_tok_s"] for g in runs])
+        "single_over_ceiling": {side: median_ratio(series(side, "single", "tok_s"), ceiling(1))
                                 for side in ("modeld", "llama-server")},
         # the same decode beside a bare gRPC token stream (grpc_ceiling): what
         # streaming in Python costs the decode, and modeld against that ceiling
-        "grpc_ceiling_over_ceiling": median_ratio([g["ceiling_grpc"]["decode_tok_s"] for g in runs],
-                                                  [g["ceiling_grpc"]["plain_decode_tok_s"] for g in runs]),
-        "single_over_grpc_ceiling": median_ratio(series("modeld", "single", "tok_s"),
-                                                 [g["ceiling_grpc"]["decode_tok_s"] for g in runs]),
-        "grpc_stream_cpu_ms_per_message": {
-            part: statistics.median(g["ceiling_grpc"]["load"][f"{part}_cpu_ms_per_message"] for g in runs)
-            for part in ("server", "client")},
+        "grpc_ceiling_over_ceiling": median_ratio(beside_grpc("ceiling_grpc"),
+                                                  beside_grpc("ceiling_grpc", "plain_decode_tok_s")),
+        "single_over_grpc_ceiling": median_ratio(series("modeld", "single", "tok_s"), beside_grpc("ceiling_grpc")),
+        "grpc_stream_cpu_ms_per_message": load_cost("ceiling_grpc"),
         # the same at 8: batched-bench's 8-sequence decode beside 8 bare gRPC
         # streams; against llama-server's 8 streams it is the most a Python
         # gRPC server could reach in the race, were its own work free
-        "grpc8_ceiling_over_ceiling": median_ratio([g["ceiling_grpc8"]["decode_tok_s"] for g in runs],
-                                                   [g["ceiling_grpc8"]["plain_decode_tok_s"] for g in runs]),
-        "fresh_over_grpc8_ceiling": median_ratio(series("modeld", "fresh", "tok_s"),
-                                                 [g["ceiling_grpc8"]["decode_tok_s"] for g in runs]),
-        "grpc8_ceiling_over_peer_fresh": median_ratio([g["ceiling_grpc8"]["decode_tok_s"] for g in runs],
-                                                      series("llama-server", "fresh", "tok_s")),
-        "grpc8_stream_cpu_ms_per_message": {
-            part: statistics.median(g["ceiling_grpc8"]["load"][f"{part}_cpu_ms_per_message"] for g in runs)
-            for part in ("server", "client")},
+        "grpc8_ceiling_over_ceiling": median_ratio(beside_grpc("ceiling_grpc8"),
+                                                   beside_grpc("ceiling_grpc8", "plain_decode_tok_s")),
+        "fresh_over_grpc8_ceiling": median_ratio(series("modeld", "fresh", "tok_s"), beside_grpc("ceiling_grpc8")),
+        "grpc8_ceiling_over_peer_fresh": median_ratio(beside_grpc("ceiling_grpc8"), series("llama-server", "fresh", "tok_s")),
+        "grpc8_stream_cpu_ms_per_message": load_cost("ceiling_grpc8"),
         # one stream: CPU ms per token by process (CpuPerToken), medians of rounds
         "single_cpu_ms_per_token": {side: {part: statistics.median(g[side]["single"]["cpu_ms_per_token"][part] for g in runs)
                                            for part in ("front", "children", "client")}
