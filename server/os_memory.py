@@ -1,4 +1,6 @@
-"""Give memory freed by an unload back to the operating system.
+"""The process's memory as the operating system sees it: resident bytes
+(the daemon's and each worker's, read the same way), and freed memory given
+back.
 
 glibc keeps freed heap pages for reuse, so without a trim the process's RSS
 stays high after a model is unloaded and the memory budget (which already
@@ -11,6 +13,7 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import os
 
 
 @functools.cache
@@ -31,3 +34,17 @@ def release_freed_memory() -> bool:
     if libc is None:  # not glibc: nothing to trim
         return False
     return bool(libc.malloc_trim(0))
+
+
+def process_rss(pid: int) -> int:
+    """Resident bytes of process `pid` (VmRSS), 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def own_rss() -> int:
+    """This process's resident bytes (the daemon's baseline, logged at start)."""
+    return process_rss(os.getpid())

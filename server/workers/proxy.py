@@ -29,25 +29,12 @@ from modeld.backends.errors import (
     BackendFailure, ErrorKind, LoadFailed, ModeldError, Unavailable, error_for,
 )
 from modeld.backends.generation.params import FinalEvent, GenerateRequest, TokenEvent
+from modeld.server.os_memory import process_rss
 from modeld.server.workers.frames import FrameProtocol, connect
 
 log = structlog.get_logger("modeld.workers")
 
 _ERROR_CLASSES = {"LoadFailed": LoadFailed, "BackendFailure": BackendFailure}
-
-
-def process_rss(pid: int) -> int:
-    """Resident bytes of process `pid` (VmRSS), 0 once it is gone."""
-    try:
-        with open(f"/proc/{pid}/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def own_rss() -> int:
-    """This process's resident bytes (the daemon's baseline, logged at start)."""
-    return process_rss(os.getpid())
 
 
 def describe_exit(returncode: int | None) -> str:
