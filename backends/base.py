@@ -12,11 +12,15 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, AsyncIterator, Callable, ClassVar, Protocol, runtime_checkable
+
+import anyio
 
 if TYPE_CHECKING:
     import numpy as np
 
+    from modeld.backends.errors import Unavailable
+    from modeld.backends.generation.params import FinalEvent, GenerateRequest, TokenEvent
     from modeld.backends.model_config import ModelConfig, TensorSpec
 
 
@@ -70,6 +74,70 @@ class LoadedModel(ABC):
     def unload(self) -> None:
         """Release every resource counted in `nbytes`."""
 
+    async def execute_async(self, inputs: dict[str, np.ndarray], output_names: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """`execute` awaited from the event loop. The default runs it on a
+        thread; a model that lives elsewhere (a worker process) overrides it
+        and then never blocks."""
+        return await anyio.to_thread.run_sync(self.execute, inputs, output_names)
+
+    async def unload_async(self) -> None:
+        """`unload` awaited from the event loop; the engine always calls this one."""
+        await anyio.to_thread.run_sync(self.unload)
+
+
+# Optional facets. A model that has one of them says so by its shape (these
+# are runtime-checkable Protocols), so the engine asks `isinstance` once per
+# load instead of probing attributes.
+
+
+class WorkerHandle(Protocol):
+    """The process a worker model runs in, as the engine follows it."""
+
+    started: float  # time.monotonic() at spawn
+    death: Unavailable | None  # why it ended, once it has
+    on_death: Callable[[str], None] | None  # told how it died
+
+
+@runtime_checkable
+class InWorkerProcess(Protocol):
+    """A model running in a worker process: its batches go out on the event
+    loop (`execute_async`), its memory is the process's resident memory."""
+
+    worker: WorkerHandle
+
+    def watch_memory(self, on_change: Callable[[int], None], interval_s: float) -> None:
+        """Report the process's resident bytes each time they change."""
+
+
+@runtime_checkable
+class RemoteHealth(Protocol):
+    """A model served by a remote engine whose health is tracked."""
+
+    @property
+    def is_healthy(self) -> bool: ...
+
+    def set_health_listener(self, listener: Callable[[bool], None]) -> None:
+        """Called with the new verdict each time the engine turns (un)healthy."""
+
+
+class GenerationLoopLike(Protocol):
+    """What a local language model's loop offers its model (GenerationLoop,
+    onnx-genai's EngineLoop)."""
+
+    observer: object
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinalEvent]: ...
+
+
+class TokenCodec(Protocol):
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def detokenize(self, token_ids: list[int]) -> str: ...
+
 
 class Backend(ABC):
     name: ClassVar[str]
@@ -112,12 +180,15 @@ class Backend(ABC):
 class GenerativeModel(LoadedModel):
     """A language model: serves token generation instead of tensor calls.
 
-    Subclasses set `loop` (a GenerationLoop) and `runner` (its
-    StepExecutor); `start`/`stop` bracket the loop and the engine awaits both.
+    Local models set `loop` and `runner` (its StepExecutor, or any token
+    codec); a model without them (a remote engine, a worker's stand-in)
+    overrides the methods below instead. `start`/`stop` bracket the loop and
+    the engine awaits both. `tokenize`/`detokenize` may return a coroutine
+    where the answer comes from elsewhere.
     """
 
-    loop: Any
-    runner: Any
+    loop: GenerationLoopLike | None
+    runner: TokenCodec | None
 
     def set_observer(self, observer) -> None:
         """Receive the generation loop's figures (the engine's metrics)."""

@@ -31,7 +31,7 @@ from modeld.server.services.inference import InferenceService
 from modeld.server.services.node import NodeService
 from modeld.server.services.parsing import ParsingServer
 from modeld.server.tls import ServerTls, TlsFiles, add_port
-from modeld.server.workers.proxy import own_rss
+from modeld.server.os_memory import own_rss
 
 log = structlog.get_logger("modeld.daemon")
 

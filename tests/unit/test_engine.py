@@ -155,11 +155,11 @@ async def test_the_daemon_s_own_memory_is_in_the_books_and_its_growth_evicts_idl
                                                                                         monkeypatch):
     """The budget holds for the whole process: the daemon's resident bytes
     outside its in-process models count, at start and as they grow."""
-    from modeld.server import engine as engine_module
+    from modeld.server.engine import accounting
 
     fast, _ = backends
     base = [400]  # the daemon's own resident bytes; each loaded model adds its 100
-    monkeypatch.setattr(engine_module, "own_rss", lambda: base[0] + fast.nbytes * (fast.loads - fast.unloads))
+    monkeypatch.setattr(accounting, "own_rss", lambda: base[0] + fast.nbytes * (fast.loads - fast.unloads))
     engine = _engine(tmp_path, budget=700)
     engine.count_daemon_memory(interval_s=0.01)
     try:

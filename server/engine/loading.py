@@ -1,0 +1,347 @@
+"""The model lifecycle: load (one try-backends-in-order loop, shared by first
+loads, standbys and fallbacks), warm up, unload, evict, and follow worker
+processes until they end.
+
+Loads run one at a time so a backend's measured memory growth is its own;
+concurrent loads of one model share one load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Callable
+
+import anyio
+import structlog
+
+from modeld.backends.base import Backend, GenerativeModel, LoadedModel
+from modeld.backends.errors import InvalidArgument, LoadFailed, ModeldError, NotFound, ResourceExhausted, error_for
+from modeld.backends.generation.params import FinalEvent, GenerateRequest, SamplingParams
+from modeld.backends.model_config import ModelConfig
+from modeld.backends.registry import BackendRegistry
+from modeld.server.batcher import BatchReport, DynamicBatcher
+from modeld.server.memory import ModelKey
+from modeld.server.metrics import GenerationMetrics, Metrics
+from modeld.server.os_memory import release_freed_memory
+from modeld.server.repository import ModelRepository, ModelSource
+from modeld.server.requests import ModelState
+from modeld.server.rerank import resolve_embedding_model
+from modeld.server.validation import warmup_inputs
+from modeld.server.workers.supervisor import WorkerSupervisor
+
+from .accounting import MemoryAccounting
+from .health import BackendHealthWatch
+from .served import ModelTable, ServedModel
+
+log = structlog.get_logger("modeld.engine")
+
+Registered = Callable[[ServedModel], None]
+
+
+class NoBackendFits(Exception):
+    """Every backend in the list refused the model or failed to load it."""
+
+    def __init__(self, reasons: list[str]) -> None:
+        super().__init__("; ".join(reasons))
+        self.reasons = reasons
+
+
+class ModelLifecycle:
+    def __init__(self, repository: ModelRepository, registry: BackendRegistry, models: ModelTable,
+                 accounting: MemoryAccounting, health: BackendHealthWatch, workers: WorkerSupervisor,
+                 metrics: Metrics) -> None:
+        self.repository = repository
+        self.registry = registry
+        self.models = models
+        self.accounting = accounting
+        self.health = health
+        self.workers = workers
+        self.metrics = metrics
+        self._load_lock = asyncio.Lock()
+        # told of each model as it starts serving by name (failover follows remote engines)
+        self.on_registered: list[Registered] = []
+
+    # -- loading -------------------------------------------------------------
+
+    async def load(self, name: str, source: ModelSource | None = None) -> ServedModel:
+        """Load a model; concurrent loads of the same model share one load.
+
+        With `source` (an inline model) an already loaded model is replaced.
+        """
+        loading = self.models.loading
+        if name in loading:
+            if source is None:
+                return await asyncio.shield(loading[name])
+            try:  # an inline reload waits for the load in progress, then replaces it
+                await asyncio.shield(loading[name])
+            except ModeldError:
+                pass
+        if source is None and name in self.models.served:
+            return self.models.served[name]
+        task = asyncio.get_running_loop().create_task(self._load(name, source))
+        loading[name] = task
+        task.add_done_callback(lambda done: self._load_finished(name, done))
+        self.models.notify(name, ModelState.LOADING)
+        return await asyncio.shield(task)
+
+    def _load_finished(self, name: str, task: asyncio.Task) -> None:
+        if self.models.loading.get(name) is task:
+            del self.models.loading[name]
+        if not task.cancelled():
+            task.exception()  # marks it retrieved even when every waiter left
+        self.models.notify(name, self.models.state_of(name))
+
+    async def _load(self, name: str, source: ModelSource | None) -> ServedModel:
+        source = resolve_embedding_model(self._resolve_draft(source or self.repository.resolve(name)), self.repository)
+        if name in self.models.served:
+            await self.unload(name, forget_inline=False)
+        self.workers.check_backoff(name)  # a model whose worker keeps dying waits its turn
+
+        def count(backend: Backend, exc: Exception) -> None:
+            self.health.count_fallback(name, backend.name, "load", str(exc))
+            log.warning("backend_load_failed", model=name, backend=backend.name, reason=str(exc))
+
+        try:
+            served = await self.load_first_fit(source, self.backends_for(source.config), on_failure=count)
+        except NoBackendFits as exc:
+            self.metrics.loads.labels(name, "failed").inc()
+            reason = str(exc) or "no backend is available for its format"
+            self.models.failures[name] = reason
+            raise InvalidArgument(f"no backend could load model {name!r}: {reason}") from None
+        self.models.failures.pop(name, None)
+        self.metrics.loads.labels(name, "ok").inc()
+        return served
+
+    def backends_for(self, config: ModelConfig, after: Backend | None = None) -> list[Backend]:
+        """The model's backends in the order to try them (healthy first), from after `after`."""
+        return self.registry.load_order(config.backends, self.health.is_healthy, after=after)
+
+    async def load_first_fit(self, source: ModelSource, backends: list[Backend], *,
+                             exclude: frozenset[ModelKey] = frozenset(), register: bool = True,
+                             moves_on: tuple[type[Exception], ...] = (LoadFailed,),
+                             on_failure: Callable[[Backend, Exception], None] | None = None) -> ServedModel:
+        """The first backend in `backends` that can serve the model and loads
+        it; a `moves_on` failure tries the next. Raises NoBackendFits with
+        every backend's reason."""
+        reasons: list[str] = []
+        for backend in backends:
+            verdict = backend.can_serve(source.config, source.model_dir)
+            if not verdict.ok:
+                reasons.append(f"{backend.name}: {verdict.reason}")
+                continue
+            try:
+                return await self._load_on(backend, source, exclude, register)
+            except moves_on as exc:
+                reasons.append(f"{backend.name}: {exc}")
+                if on_failure is not None:
+                    on_failure(backend, exc)
+        raise NoBackendFits(reasons)
+
+    def _resolve_draft(self, source: ModelSource) -> ModelSource:
+        """Turn `draft_model = "<name>"` under a backend's table into the
+        draft's file path, which the backend loads next to the target."""
+        # the config parser already refused a malformed name or the model itself
+        resolved = {}
+        for section in dataclasses.fields(source.config.backend_options):
+            options = getattr(source.config.backend_options, section.name)
+            draft_name = getattr(options, "draft_model", "")
+            if not draft_name:
+                continue
+            draft = self.repository.resolve(draft_name)
+            path = (draft.model_dir / draft.config.artifact_path).resolve()
+            resolved[section.name] = dataclasses.replace(options, draft_path=str(path))
+        backend_options = dataclasses.replace(source.config.backend_options, **resolved)
+        return dataclasses.replace(source, config=dataclasses.replace(source.config, backend_options=backend_options))
+
+    async def _load_on(self, backend: Backend, source: ModelSource, exclude: frozenset[ModelKey],
+                       register: bool) -> ServedModel:
+        config = source.config
+        key = ModelKey(backend.name, config.name)
+        estimate = backend.estimate_bytes(config, source.model_dir)
+        await self.accounting.reserve(key, estimate, config.pinned, exclude)
+        try:
+            async with self._load_lock:
+                if self.workers.isolates(backend, config):
+                    loaded = await self.workers.load(backend, config, source.model_dir)
+                else:
+                    loaded = await anyio.to_thread.run_sync(backend.load, config, source.model_dir)
+        except BaseException:
+            self.accounting.cancel(key)
+            raise
+        try:
+            await self.accounting.settle(key, loaded.nbytes, exclude)
+        except ResourceExhausted:
+            await loaded.unload_async()
+            raise
+        served = await self._start(self._make_served(config, source, backend, loaded))
+        log.info("model_loaded", model=config.name, backend=backend.name, nbytes=loaded.nbytes, estimate=estimate,
+                 standby=not register)
+        if register:  # else a remote model's standby: reached through it, never by name
+            self.models.served[config.name] = served
+            for listener in self.on_registered:
+                listener(served)
+            self.models.notify(config.name, ModelState.READY)
+        return served
+
+    async def _start(self, served: ServedModel) -> ServedModel:
+        """Start serving: worker followed, batcher or loop started, warmed up."""
+        if served.worker is not None:
+            self._follow_worker(served)
+        # set before warm-up: a failed warm-up drops the model, which removes this series
+        self.accounting.loaded(served)
+        loaded = served.loaded
+        if isinstance(loaded, GenerativeModel):
+            await loaded.start()
+        else:
+            served.batcher.start()
+        if served.config.warmup:
+            await self._warm_up(served)
+        if isinstance(loaded, GenerativeModel):
+            # after warm-up, so the dummy sequence is not counted as traffic
+            served.generation = GenerationMetrics(self.metrics, served.config.name, served.backend.name)
+            loaded.set_observer(served.generation)
+        return served
+
+    def _make_served(self, config: ModelConfig, source: ModelSource, backend: Backend,
+                     loaded: LoadedModel) -> ServedModel:
+        stats = self.models.stats(config.name)
+        if isinstance(loaded, GenerativeModel):
+            return ServedModel(config, source, backend, loaded, None, stats)
+        name, backend_name = config.name, backend.name
+        served = ServedModel(config, source, backend, loaded, None, stats, warmed_up=not config.warmup)
+
+        def on_batch(report: BatchReport) -> None:
+            if not served.warmed_up:
+                return  # the warm-up batch is not traffic
+            stats.record_batch(report)
+            self.metrics.batch_size.labels(name, backend_name).observe(report.batch_size)
+            for queue_ns in report.queue_ns:
+                self.metrics.queue_latency.labels(name).observe(queue_ns / 1e9)
+
+        # a worker's batches go out on the event loop, with no thread hop
+        execute = loaded.execute_async if served.worker is not None else loaded.execute
+        served.batcher = DynamicBatcher(execute, config.max_batch_size, config.max_queue_delay_us,
+                                        config.max_queue_size, on_batch, config.preferred_batch_sizes)
+        return served
+
+    async def _warm_up(self, served: ServedModel) -> None:
+        """One dummy request before the model reports ready, straight to the
+        batcher or the generation loop, so ModelStatistics never counts it."""
+        try:
+            if served.is_generative:
+                await _warm_up_generation(served)
+            else:
+                await served.batcher.submit(warmup_inputs(served.loaded.inputs, served.config.is_batched), ())
+        except ModeldError as exc:
+            await self.drop(served)
+            raise LoadFailed(f"warm-up request failed: {exc}") from exc
+        served.warmed_up = True
+
+    # -- unloading -----------------------------------------------------------
+
+    async def unload(self, name: str, forget_inline: bool = True) -> None:
+        """Stop taking requests, finish queued ones, free the memory."""
+        loading = self.models.loading
+        if name in loading and asyncio.current_task() is not loading[name]:
+            try:
+                await asyncio.shield(loading[name])
+            except ModeldError:
+                pass
+        served = self.models.get(name)
+        if served is None:
+            if name not in self.repository.names():
+                raise NotFound(f"unknown model {name!r}")
+        else:
+            self.models.unloading.add(name)
+            self.models.notify(name, ModelState.UNLOADING)
+            try:
+                await self.drop(served)
+            finally:
+                self.models.unloading.discard(name)
+        if forget_inline:
+            self.repository.remove_inline(name)
+        self.workers.forget(name)  # an operator's unload clears a crash loop's backoff
+        self.models.notify(name, ModelState.UNAVAILABLE)
+
+    async def drop(self, served: ServedModel) -> None:
+        """Stop one ServedModel and free what it holds (its standby too)."""
+        if self.models.is_current(served):
+            del self.models.served[served.config.name]
+        self.accounting.num_dropping += 1
+        try:
+            await self.drop_standby(served)
+            if served.batcher is not None:
+                await served.batcher.stop()
+            else:
+                await served.generative.stop()
+            await served.loaded.unload_async()
+            await anyio.to_thread.run_sync(release_freed_memory)
+        finally:
+            self.accounting.num_dropping -= 1
+        self.accounting.dropped(served)
+        log.info("model_unloaded", model=served.config.name, backend=served.backend.name)
+
+    async def drop_standby(self, served: ServedModel) -> None:
+        task, served.standby = served.standby, None
+        if task is None:
+            return
+        if not task.done():
+            # still loading, maybe waiting for the memory lock our caller holds: drop it once in
+            task.add_done_callback(self._drop_loaded)
+            return
+        if not task.cancelled() and task.exception() is None:
+            await self.drop(task.result())
+
+    def _drop_loaded(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is None:
+            asyncio.get_running_loop().create_task(self.drop(task.result()))
+
+    async def evict(self, key: ModelKey) -> None:
+        name = key.model
+        served = self.models.get(name)
+        log.info("model_evicted", model=name, backend=key.backend)
+        if served is not None and served.standby is not None and served.backend.name != key.backend:
+            self.metrics.evictions.labels(name, key.backend).inc()
+            await self.drop_standby(served)
+            return
+        if served is None or served.backend.name != key.backend:
+            self.accounting.memory.remove(key)
+            return
+        self.metrics.evictions.labels(name, served.backend.name).inc()
+        await self.drop(served)
+        self.models.notify(name, ModelState.UNAVAILABLE)
+
+    async def stop(self) -> None:
+        for name in list(self.models.served):
+            await self.drop(self.models.served[name])
+
+    # -- worker processes ---------------------------------------------------------
+
+    def _follow_worker(self, served: ServedModel) -> None:
+        """A worker model's memory follows its process's resident memory, and
+        its death drops the model (its calls in flight already failed)."""
+        in_worker = served.worker
+        in_worker.worker.on_death = lambda how: asyncio.get_running_loop().create_task(self._worker_died(served, how))
+        in_worker.watch_memory(lambda nbytes: self.accounting.resized(served, nbytes),
+                               self.workers.policy.memory_interval_s)
+
+    async def _worker_died(self, served: ServedModel, how: str) -> None:
+        name = served.config.name
+        worker = served.worker.worker
+        self.workers.record_death(name, served.backend.name, how, time.monotonic() - worker.started)
+        if not self.models.is_current(served) or name in self.models.unloading:
+            return  # already being replaced or unloaded: that path drops it
+        self.models.failures[name] = str(worker.death)
+        await self.drop(served)
+        self.models.notify(name, ModelState.UNAVAILABLE)
+
+
+async def _warm_up_generation(served: ServedModel) -> None:
+    # cache_prompt off: a warm-up must not leave a cached prefix behind
+    request = GenerateRequest(served.config.name, prompt="warm-up",
+                              params=SamplingParams(max_tokens=1, cache_prompt=False))
+    async for event in served.generative.generate(request):
+        if isinstance(event, FinalEvent) and event.error:
+            raise error_for(event.error_kind, event.error)

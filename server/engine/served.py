@@ -1,0 +1,116 @@
+"""What the engine serves: one ServedModel per ready model, and the table
+of every model's state (ready, loading, unloading, why its last load failed).
+
+Pure state on the event loop: no I/O, no locks. Listeners hear each state
+change (health Watch and the readiness probe follow them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Callable
+
+from modeld.backends.base import Backend, GenerativeModel, InWorkerProcess, LoadedModel, RemoteHealth
+from modeld.backends.model_config import ModelConfig
+from modeld.server.batcher import DynamicBatcher
+from modeld.server.memory import ModelKey
+from modeld.server.metrics import GenerationMetrics
+from modeld.server.repository import ModelSource
+from modeld.server.requests import ModelState, ModelStatus
+from modeld.server.stats import ModelStats
+
+MODEL_VERSION = "1"
+
+StateListener = Callable[[str, ModelState], None]
+
+
+@dataclass
+class ServedModel:
+    config: ModelConfig
+    source: ModelSource
+    backend: Backend
+    loaded: LoadedModel
+    batcher: DynamicBatcher | None  # None for language models, which batch themselves
+    stats: ModelStats = field(default_factory=ModelStats)
+    warmed_up: bool = False
+    generation: GenerationMetrics | None = None  # language models: the loop's latest step figures
+    # a remote engine's model: the next backend's load, serving while the remote is unhealthy
+    standby: asyncio.Task | None = None
+
+    @property
+    def is_generative(self) -> bool:
+        return isinstance(self.loaded, GenerativeModel)
+
+    @property
+    def generative(self) -> GenerativeModel:
+        assert isinstance(self.loaded, GenerativeModel), "checked by the dispatcher's capability test"
+        return self.loaded
+
+    @property
+    def worker(self) -> InWorkerProcess | None:
+        """The worker process facet, where the model runs in one."""
+        return self.loaded if isinstance(self.loaded, InWorkerProcess) else None
+
+    @property
+    def remote(self) -> RemoteHealth | None:
+        """The remote engine's health facet, where a remote engine serves it."""
+        return self.loaded if isinstance(self.loaded, RemoteHealth) else None
+
+    @property
+    def key(self) -> ModelKey:
+        return ModelKey(self.backend.name, self.config.name)
+
+
+class ModelTable:
+    """Every model the engine knows the state of, by name."""
+
+    def __init__(self) -> None:
+        self.served: dict[str, ServedModel] = {}
+        self.loading: dict[str, asyncio.Task] = {}
+        self.unloading: set[str] = set()
+        self.failures: dict[str, str] = {}  # the reason the last load failed
+        self._stats: dict[str, ModelStats] = {}
+        self._listeners: list[StateListener] = []
+
+    def add_listener(self, listener: StateListener) -> None:
+        self._listeners.append(listener)
+
+    def notify(self, name: str, state: ModelState) -> None:
+        for listener in self._listeners:
+            listener(name, state)
+
+    def get(self, name: str) -> ServedModel | None:
+        return self.served.get(name)
+
+    def is_current(self, served: ServedModel) -> bool:
+        return self.served.get(served.config.name) is served
+
+    def is_active(self, name: str) -> bool:
+        """Served, loading or unloading: known to the engine beyond the repository."""
+        return name in self.served or name in self.loading
+
+    def state_of(self, name: str) -> ModelState:
+        if name in self.unloading:
+            return ModelState.UNLOADING
+        if name in self.served:
+            return ModelState.READY
+        if name in self.loading:
+            return ModelState.LOADING
+        return ModelState.UNAVAILABLE
+
+    def status(self, name: str) -> ModelStatus:
+        served = self.served.get(name)
+        return ModelStatus(
+            name, MODEL_VERSION, self.state_of(name), self.failures.get(name, ""),
+            served.backend.name if served else "", served.loaded.nbytes if served else 0,
+        )
+
+    def names(self) -> set[str]:
+        return set(self.served) | set(self.loading)
+
+    def stats(self, name: str) -> ModelStats:
+        stats = self._stats.get(name)
+        if stats is None:  # not setdefault: a ModelStats is costly to make (two HDR histograms)
+            stats = self._stats[name] = ModelStats()
+        return stats
