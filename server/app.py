@@ -12,18 +12,19 @@ from pathlib import Path
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from modeld.backends.errors import ErrorKind, ModeldError
 from modeld.backends.registry import BackendRegistry
 from modeld.backends.sizes import format_size
-from modeld.gen import _pool, generation_pb2, generation_pb2_grpc, inference_pb2, inference_pb2_grpc, node_pb2, node_pb2_grpc
+from modeld.gen import generation_pb2, generation_pb2_grpc, inference_pb2, inference_pb2_grpc, node_pb2, node_pb2_grpc
 from modeld.server.config import Settings
 from modeld.server.engine import Engine
 from modeld.server.lifecycle import Lifecycle
 from modeld.server.memory import MemoryManager
 from modeld.server.metrics import Metrics
+from modeld.server.reflection import reflection_pool
 from modeld.server.repository import ModelRepository
 from modeld.server.requests import ModelState
 from modeld.server.services.generation import GenerationService
@@ -36,17 +37,6 @@ from modeld.server.os_memory import own_rss
 log = structlog.get_logger("modeld.daemon")
 
 _HEALTH_BY_STATE = {ModelState.READY: health_pb2.HealthCheckResponse.SERVING}
-
-
-def reflection_pool():
-    # Reflection reads one pool: ours, holding the inference service, plus
-    # copies of the health and reflection files from the default pool.
-    for file in (health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR):
-        try:
-            _pool.POOL.FindFileByName(file.name)
-        except KeyError:
-            _pool.POOL.AddSerializedFile(file.serialized_pb)
-    return _pool.POOL
 
 
 def _listen(host: str, port: int) -> socket.socket:
