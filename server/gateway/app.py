@@ -13,12 +13,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from modeld.server.app import reflection_pool
 from modeld.server.gateway.config import GatewaySettings, NodeCredentials
 from modeld.server.gateway.discovery import watch_dns
 from modeld.server.gateway.metrics import GatewayMetrics
 from modeld.server.gateway.nodes import Fleet
-from modeld.server.gateway.proxy import GENERATION, INFERENCE, GatewayService, Router
+from modeld.server.gateway.router import Router
+from modeld.server.gateway.service import GENERATION, INFERENCE, GatewayService
+from modeld.server.reflection import reflection_pool
 
 log = structlog.get_logger("modeld.gateway")
 

@@ -43,7 +43,7 @@ class Node:
         self._on_change = on_change
         credentials = credentials if credentials is not None else NodeCredentials()
         # the gateway's own calls (health Watch, Stats) carry its token;
-        # forwarded calls carry the client's metadata only (proxy.CallOptions)
+        # forwarded calls carry the client's metadata only (call_options.CallOptions)
         self._probe_metadata = credentials.probe_metadata
         options = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),

@@ -12,7 +12,8 @@ import pytest
 from modeld.server.gateway.config import GatewaySettings
 from modeld.server.gateway.metrics import GatewayMetrics
 from modeld.server.gateway.nodes import Fleet, Node
-from modeld.server.gateway.proxy import CallFailed, Router
+from modeld.server.gateway.failure import CallFailed
+from modeld.server.gateway.router import Router
 
 ADDRESSES = tuple(f"127.0.0.1:{9100 + i}" for i in range(3))
 
@@ -79,7 +80,7 @@ class _Context:
 
 async def test_a_load_goes_to_a_replica_that_is_only_late_with_its_stats(router):
     from modeld.gen import inference_pb2
-    from modeld.server.gateway.proxy import GatewayService
+    from modeld.server.gateway.service import GatewayService
 
     service = GatewayService(router.fleet, router, router.fleet.settings, router.metrics)
     first, second = router.fleet.ring.replicas("minilm", 2)
