@@ -33,6 +33,7 @@ from modeld.server.repository import ModelRepository
 from modeld.server.requests import InferRequest
 from modeld.server.services.convert import request_from_proto
 from modeld.server.services.generation import request_from_proto as generate_from_proto
+from polling import wait_until_async
 
 ROOT = Path(__file__).resolve().parents[2]
 REGISTRY = BackendRegistry()
@@ -439,10 +440,7 @@ async def test_generative_backend_contract(backend, isolation, tmp_path):
     stream = engine.generate(_gen("Count slowly to one hundred:", max_tokens=500, ignore_eos=True))
     await stream.__anext__()
     await stream.aclose()  # the client went away
-    for _ in range(200):
-        if not served.loaded.scheduler.running:
-            break
-        await asyncio.sleep(0.02)
+    await wait_until_async(lambda: not served.loaded.scheduler.running, what="the sequence to leave the batch")
     assert not served.loaded.scheduler.running
     record(backend, "cancellation", "yes: the sequence left the batch and its slot was freed")
 

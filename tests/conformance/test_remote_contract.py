@@ -27,6 +27,7 @@ from modeld.server.engine import Engine
 from modeld.server.memory import MemoryManager
 from modeld.server.metrics import Metrics
 from modeld.server.repository import ModelRepository
+from polling import wait_until_async
 from remote_fakes import FakeEngine, LlamaCppPythonServer
 from test_backend_contract import _NOT_REQUESTABLE, _REQUEST_NEEDING
 
@@ -138,10 +139,7 @@ async def test_remote_backend_contract(remote, tmp_path):
                                              params=SamplingParams(max_tokens=400)))
     await stream.__anext__()
     await stream.aclose()  # the client went away
-    for _ in range(200):
-        if disconnects() > before:
-            break
-        await asyncio.sleep(0.05)
+    await wait_until_async(lambda: disconnects() > before, what="the server to see the disconnect")
     assert disconnects() == before + 1
     record(backend, "cancellation", "yes: the HTTP stream closed and the engine dropped the request")
 

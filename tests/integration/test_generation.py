@@ -17,6 +17,7 @@ from tritonclient.utils import InferenceServerException
 from daemon import MODELS
 from modeld.gen import generation_pb2 as g
 from modeld.gen import generation_pb2_grpc as gg
+from polling import wait_until_async
 
 PROMPTS = [
     "The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,",
@@ -287,10 +288,7 @@ def test_cancelling_a_draft_stream_releases_the_llama_draft_state():
                 got += len((await stream.__anext__()).token_ids)
             assert model.draft.computed  # the draft follows the running sequence
             await stream.aclose()  # the client went away
-            for _ in range(500):
-                if not model.scheduler.has_work():
-                    break
-                await asyncio.sleep(0.01)
+            await wait_until_async(lambda: not model.scheduler.has_work(), what="the sequence to leave the batch")
         finally:
             await model.stop()
     try:

@@ -36,6 +36,7 @@ from modeld.server.requests import ModelState
 from modeld.server.services.convert import encode_bytes
 from modeld.server.services.generation import event_to_proto, request_from_proto
 from modeld.server.services.kserve_text import complete_text
+from polling import wait_until_async
 from remote_fakes import SCRIPT, FakeEngine, Fault
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,10 +209,7 @@ async def test_cancellation_reaches_the_server(fake, backend, tmp_path):
     stream = engine.generate(GenerateRequest("m", prompt="Hi", params=SamplingParams(max_tokens=8)))
     await stream.__anext__()
     await stream.aclose()  # the client went away
-    for _ in range(100):
-        if fake.num_disconnects:
-            break
-        await asyncio.sleep(0.02)
+    await wait_until_async(lambda: fake.num_disconnects, what="the fake server to see the disconnect")
     assert fake.num_disconnects == 1 and fake.num_running == 0
     await engine.stop()
 
@@ -220,10 +218,7 @@ async def test_cancellation_reaches_the_server(fake, backend, tmp_path):
 async def test_load_figures_reach_the_models_attributes_and_metrics(fake, tmp_path):
     engine = _engine(tmp_path)
     served = await _load(engine, fake, "vllm", **FAST_PROBES)
-    for _ in range(100):
-        if served.loaded.load is not None:
-            break
-        await asyncio.sleep(0.02)
+    await wait_until_async(lambda: served.loaded.load is not None, what="the first load figures")
     assert (served.loaded.num_waiting, served.loaded.kv_cache_usage) == (1, 0.25)
     assert served.generation.latest.kv_capacity == 1600 and served.generation.latest.kv_used == 400
     metrics = engine.metrics
@@ -387,10 +382,8 @@ async def test_an_unhealthy_remote_falls_back_to_the_local_backend_and_comes_bac
     assert final.finish_reason is FinishReason.LENGTH
 
     fake.stop()  # the engine dies
-    for _ in range(200):
-        if not served.loaded.is_healthy and served.standby is not None and served.standby.done():
-            break
-        await asyncio.sleep(0.05)
+    await wait_until_async(lambda: not served.loaded.is_healthy and served.standby is not None and served.standby.done(),
+                           what="the remote marked down and its standby loaded")
     assert ("m", ModelState.UNAVAILABLE) in states  # health turns NOT_SERVING
     assert engine.metrics.remote_healthy.labels("m", "vllm")._value.get() == 0
     tokens, final = await _collect(engine, prompt="The capital of France is", max_tokens=4)
@@ -401,10 +394,8 @@ async def test_an_unhealthy_remote_falls_back_to_the_local_backend_and_comes_bac
 
     before = len(fake.requests)
     fake.start()  # it is back, on the same port
-    for _ in range(200):
-        if served.loaded.is_healthy and served.standby is None and engine.memory.used == 0:
-            break
-        await asyncio.sleep(0.05)
+    await wait_until_async(lambda: served.loaded.is_healthy and served.standby is None and engine.memory.used == 0,
+                           what="the remote back and its standby gone")
     assert served.loaded.is_healthy and states[-1] == ("m", ModelState.READY)
     assert engine.memory.used == 0  # the standby left
     _, final = await _collect(engine)

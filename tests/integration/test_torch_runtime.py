@@ -14,6 +14,7 @@ from modeld.backends.generation.params import FinalEvent, GenerateRequest, Sampl
 from modeld.backends.model_config import load_model_toml
 from modeld.backends.errors import InvalidArgument
 from modeld.backends.torch.backend import TorchBackend
+from polling import wait_until_async
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time there was",
            "1, 2, 3, 4,", "Water boils at a temperature of"]
@@ -182,10 +183,7 @@ def test_cancelling_a_draft_stream_releases_the_draft_blocks(runtime):
             got += len((await stream.__anext__()).token_ids)
         held = draft_blocks.num_free
         await stream.aclose()  # the client went away
-        for _ in range(500):
-            if not runtime.scheduler.has_work():
-                break
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: not runtime.scheduler.has_work(), what="the sequence to leave the batch")
         return held
     held = _run(runtime, go)
     assert held < free_before  # the draft was in use when the stream was cancelled

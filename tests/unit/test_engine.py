@@ -22,6 +22,7 @@ from modeld.server.memory import MemoryManager
 from modeld.server.metrics import Metrics
 from modeld.server.repository import ModelRepository
 from modeld.server.requests import InferRequest, ModelState
+from polling import wait_until_async
 
 SPEC = (TensorSpec("x", "FP32", (-1, 2)),)
 
@@ -86,8 +87,7 @@ def _engine(tmp_path: Path, budget: int = 1000) -> Engine:
 
 
 async def _until(predicate) -> None:
-    while not predicate():
-        await asyncio.sleep(0.001)
+    await wait_until_async(predicate, interval=0.001)
 
 
 def _request(model="m", value=0.0):
@@ -119,7 +119,7 @@ async def test_run_time_failure_moves_the_model_to_the_next_backend(backends, tm
     np.testing.assert_array_equal(result.outputs["y"], [[3.0, 3.0]])
     assert result.backend == "slow" and engine.served("m").backend is slow
     assert engine.metrics.fallbacks.labels("m", "fast", "run")._value.get() == 1
-    await asyncio.sleep(0.05)
+    await _until(lambda: fast.unloads)  # released in the background
     assert fast.unloads == 1  # the failed instance is released
 
 
@@ -130,7 +130,7 @@ async def test_model_with_requests_in_flight_is_not_evicted(backends, tmp_path):
     fast.held.add("m")  # m's run blocks inside the backend
     busy = asyncio.create_task(engine.infer(_request("m")))
     try:
-        await asyncio.wait_for(_until(lambda: engine.memory.entry(m.key).num_in_flight == 1), 5)
+        await _until(lambda: engine.memory.entry(m.key).num_in_flight == 1)
         # A request to n after m's makes m the least recently used model, so
         # plain LRU order would pick m: only the in-flight guard can spare it.
         await engine.infer(_request("n"))
@@ -174,7 +174,7 @@ async def test_the_daemon_s_own_memory_is_in_the_books_and_its_growth_evicts_idl
         # the daemon grows by 150 outside any model (a runtime imported, say):
         # the books pass the budget, so the idle least recently used model goes
         base[0] = 550
-        await asyncio.wait_for(_until(lambda: m.key not in engine.memory), 5)
+        await _until(lambda: m.key not in engine.memory)
         assert engine.state_of("n") is ModelState.READY and fast.unloads == 1
         assert engine.memory.daemon_bytes == 550 and engine.memory.used == 650 <= engine.memory.budget
         assert m.key not in engine.memory

@@ -21,6 +21,7 @@ from modeld.backends.generation.params import (
     FinalEvent, FinishReason, GenerateRequest, SamplingParams, SpeculativeMode,
 )
 from modeld.backends.generation.scheduler import Scheduler, SchedulerConfig
+from polling import wait_until_async
 
 VOCAB = 32
 
@@ -154,10 +155,7 @@ def test_cancelling_a_draft_stream_releases_the_draft_state(kind):
         await stream.__anext__()
         assert draft.computed  # the draft holds state for the running sequence
         await stream.aclose()  # the client went away
-        for _ in range(100):
-            if not scheduler.has_work():
-                break
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: not scheduler.has_work(), what="the sequence to leave the batch")
     _serve(loop, body)
     assert not scheduler.running and len(draft.released) == 1 and draft.computed == {}
 
@@ -230,5 +228,5 @@ class FailingObserver:
 def test_an_observer_that_fails_holds_back_no_event():
     loop = GenerationLoop(runner=CountingRunner(), scheduler=_schedulers()["slots"], observer=FailingObserver())
     request = _request("hello", max_tokens=5)
-    tokens, final = _serve(loop, lambda: asyncio.wait_for(_collect(loop, request), 10))
+    tokens, final = _serve(loop, lambda: asyncio.wait_for(_collect(loop, request), 30))
     assert tokens == _expected(request) and final.finish_reason is FinishReason.LENGTH

@@ -20,6 +20,7 @@ from modeld.backends.model_config import config_from_dict
 from modeld.backends.onnx_genai.batches import BatchConfig, BatchScheduler
 from modeld.backends.onnx_genai.engines import EngineEvent, EnginePlan, TurnEnd
 from modeld.backends.onnx_genai.loop import EngineLoop
+from polling import wait_until_async
 
 
 def _seq(prompt_len: int = 3, max_tokens: int = 4, priority: int = 0) -> Sequence:
@@ -272,10 +273,7 @@ async def test_a_caller_that_leaves_cancels_its_og_turn_and_frees_its_place(work
     stream = loop.generate(_req(max_tokens=60))
     await stream.__anext__()
     await stream.aclose()
-    for _ in range(200):
-        if not loop.scheduler.running:
-            break
-        await asyncio.sleep(0.005)
+    await wait_until_async(lambda: not loop.scheduler.running, what="the sequence to leave the batch")
     assert not loop.scheduler.running and not engines.turns
     await loop.stop()
 

@@ -18,6 +18,7 @@ from modeld.backends.options import RemoteOptions
 from modeld.backends.remote.http import Endpoint, RemoteHttp
 from modeld.backends.remote.model import RemoteModel
 from modeld.backends.remote.vllm import VllmProtocol
+from polling import wait_until_async
 
 SSE = {"content-type": "text/event-stream"}
 METRICS = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 2\n'
@@ -163,7 +164,7 @@ async def test_max_in_flight_refuses_the_next_request_and_leaving_closes_the_str
     with pytest.raises(ResourceExhausted, match="max_in_flight"):
         await _collect(model)
     await first.aclose()  # the client went away
-    await asyncio.wait_for(streams[0].closed.wait(), 2)
+    await asyncio.wait_for(streams[0].closed.wait(), 30)
     assert model.num_in_flight == 0
     events = model.generate(GenerateRequest("llm", prompt="b"))
     assert isinstance(await events.__anext__(), TokenEvent)  # room again
@@ -184,16 +185,11 @@ async def test_probes_mark_it_unhealthy_then_healthy_and_carry_the_load_figures(
     changes, observer = [], Observer()
     model.set_health_listener(changes.append)
     model.set_observer(observer)
-    for _ in range(300):
-        if changes:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until_async(lambda: changes, what="the model marked unhealthy")
     assert changes == [False] and not model.is_healthy
     state["up"] = True
-    for _ in range(300):
-        if len(changes) == 2 and model.load is not None:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until_async(lambda: len(changes) == 2 and model.load is not None,
+                           what="the model healthy again, with load figures")
     assert changes == [False, True]
     assert (model.num_running, model.num_waiting, model.kv_cache_usage) == (2, 1, 0.5)
     assert (2, 1, 0, 0) in observer.named("on_step")
@@ -211,7 +207,7 @@ async def test_stop_lets_requests_in_flight_finish():
     await asyncio.sleep(0.05)
     assert not stopping.done()
     await events.aclose()
-    await asyncio.wait_for(stopping, 2)
+    await asyncio.wait_for(stopping, 30)
 
 
 async def test_a_final_error_event_from_the_engine_counts_against_its_health():

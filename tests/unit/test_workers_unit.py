@@ -14,6 +14,7 @@ from modeld.server.workers.backoff import RestartBackoff
 from modeld.server.workers.frames import FrameError, FrameProtocol, connect, decode_bytes, encode, encode_bytes
 from modeld.server.workers.main import error_reply
 from modeld.server.workers.proxy import _remote_error, describe_exit
+from polling import wait_until_async
 
 
 def test_arrays_travel_out_of_band_and_come_back_writable():
@@ -53,15 +54,12 @@ async def test_frames_split_across_reads_and_coalesced_in_one_write():
         a.send(("event", 1, event))  # one write for the turn
     a.send_now(("ok", 2, {"y": big}))
     a.send(("event", 1, FinalEvent(FinishReason.STOP, Usage(completion_tokens=5))))
-    for _ in range(200):
-        if len(received) == 7:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until_async(lambda: len(received) == 7, what="all seven messages")
     assert [m[2] for m in received[:5]] == events
     np.testing.assert_array_equal(received[5][2]["y"], big)
     assert received[6][2].usage.completion_tokens == 5
     await a.close()
-    await asyncio.wait_for(b.lost, 5)
+    await asyncio.wait_for(b.lost, 30)
     assert lost == [None]
 
 
@@ -70,7 +68,7 @@ async def test_a_corrupt_header_ends_the_channel_with_a_reason():
     ours, theirs = socket.socketpair()
     b = await connect(FrameProtocol(received.append, lost.append), theirs)
     ours.sendall(b"\xff\xff\xff\xff\x01\x00\x00\x00")
-    await asyncio.wait_for(b.lost, 5)
+    await asyncio.wait_for(b.lost, 30)
     assert received == [] and isinstance(lost[0], FrameError)
     ours.close()
 
@@ -184,22 +182,13 @@ async def test_thread_channel_answers_inline_and_hands_the_rest_to_the_loop():
     x = np.arange(6, dtype=np.int64).reshape(2, 3)
     daemon_end.send_now(("execute", 1, {"x": x}, ("y",)))
     daemon_end.send_now(("generate", 2, "prompt"))
-    for _ in range(200):
-        if received and loop_msgs:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until_async(lambda: received and loop_msgs, what="both requests to arrive")
     np.testing.assert_array_equal(received[0][2]["y"], x * 2)
     assert loop_msgs == [("generate", 2, "prompt")]
     channel.send(("event", 2, "token"))  # coalesced, flushed on the next turn
-    for _ in range(200):
-        if len(received) == 2:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until_async(lambda: len(received) == 2, what="the coalesced event")
     assert received[1] == ("event", 2, "token")
     await daemon_end.close()  # the daemon goes away: the worker's end reports it
-    for _ in range(200):
-        if len(lost) == 2:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until_async(lambda: len(lost) == 2, what="both ends to report the loss")
     assert lost == [None, None]
     await channel.close()
