@@ -22,6 +22,8 @@ from tritonclient.utils import InferenceServerException
 
 import onnx_fixtures
 from daemon import start_daemon
+from modeld.clients import Client
+from polling import wait_until
 
 SENTENCES = ["The cat sits on the mat.", "modeld serves many models from one process.", "Ünïcödé text works too ✓"]
 X = np.array([[0.0, 1.0, -1.0, 3.0], [0.5, -2.0, 4.0, 0.25]], dtype=np.float32)
@@ -319,10 +321,8 @@ def test_request_id_round_trip(raw, daemon):
     failed = raw.post("/v2/models/softcap_demo/infer", json=_softcap_json(parameters={"custom": 1}),
                       headers={"x-request-id": "trace-43"})
     assert failed.status_code == 400 and failed.headers["x-request-id"] == "trace-43"
-    deadline = time.monotonic() + 10
-    while not any(e.get("request_id") == "trace-43" for e in daemon.events("http_failed")):
-        assert time.monotonic() < deadline, "the failure's log line lacks the request id"
-        time.sleep(0.05)
+    wait_until(lambda: any(e.get("request_id") == "trace-43" for e in daemon.events("http_failed")),
+               what="the failure's log line with its request id")
     # an id that could forge log lines is replaced by a fresh one
     forged = raw.get("/v2/health/live", headers={"x-request-id": "bad id\" level=error"})
     assert forged.headers["x-request-id"] != "bad id\" level=error"
@@ -338,7 +338,8 @@ LONG_TEXT = " ".join(["a long sentence keeps the model busy for a while"] * 30)
 
 @pytest.fixture(scope="module")
 def small_daemon():
-    daemon = start_daemon("--no-preload", env={"MODELD_MAX_MESSAGE_BYTES": "64KiB", "MODELD_DRAIN_DELAY_S": "1.0",
+    # a drain delay long enough for the SIGTERM test to see it on a busy machine
+    daemon = start_daemon("--no-preload", env={"MODELD_MAX_MESSAGE_BYTES": "64KiB", "MODELD_DRAIN_DELAY_S": "5.0",
                                                "MODELD_SHUTDOWN_GRACE_S": "30"})
     yield daemon
     daemon.stop()
@@ -366,7 +367,7 @@ def test_sigterm_refuses_new_http_requests_and_finishes_those_in_flight(small_da
     """Runs last on small_daemon: it ends it."""
     url = small_daemon.http_url
     # 8 calls of 16 rows of 256 tokens: two merged batches of 64 rows, each
-    # far longer than the 0.1 s before the signal even on a quiet machine
+    # far longer than it takes to see them all arrive even on a quiet machine
     texts = [LONG_TEXT] * 16
     request = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [16], "data": texts}]}
     with httpx.Client(base_url=url, timeout=120) as client:
@@ -381,14 +382,18 @@ def test_sigterm_refuses_new_http_requests_and_finishes_those_in_flight(small_da
             response = own.post("/v2/models/minilm/infer", json=request)
             return response, time.monotonic()
 
-    with ThreadPoolExecutor(8) as pool, httpx.Client(base_url=url, timeout=30) as late:
+    with ThreadPoolExecutor(8) as pool, httpx.Client(base_url=url, timeout=30) as late, \
+            Client(small_daemon.address, timeout=30) as stats:
         assert late.get("/v2/health/ready").status_code == 200  # a kept-alive connection, reused below
+        entered = _calls_entered(stats)
         futures = [pool.submit(embed) for _ in range(8)]
         ready_to_send.wait(30)
-        time.sleep(0.1)  # the calls are in flight: 128 rows of 256 tokens take seconds here
+        # all eight reached the engine, so none can arrive after the signal
+        wait_until(lambda: _calls_entered(stats) >= entered + 8, what="the eight calls in flight")
         signalled = time.monotonic()
         small_daemon.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)  # inside the drain delay
+        # inside the drain delay
+        wait_until(lambda: late.get("/v2/health/ready").status_code == 503, what="the drain to begin")
         assert "shutting down" in _error(late.get("/v2/health/ready"), 503)
         assert "shutting down" in _error(late.post("/v2/models/minilm/infer", json=request), 503)
         finished = [f.result(timeout=120) for f in futures]
@@ -400,6 +405,11 @@ def test_sigterm_refuses_new_http_requests_and_finishes_those_in_flight(small_da
     assert small_daemon.events("daemon_stopped")
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/v2/health/live", timeout=5)
+
+
+def _calls_entered(client: Client, model: str = "minilm") -> int:
+    """Calls that have reached `model` in the engine, however they ended."""
+    return next((m.request_count for m in client.node_stats().models if m.name == model), 0)
 
 
 def test_http_port_minus_one_serves_no_http():
@@ -434,11 +444,9 @@ def test_a_client_that_leaves_cancels_its_generation(daemon):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(daemon.http_url + "/v2/models/smollm2/infer", json=payload, headers={"x-request-id": "leaver-1"},
                    timeout=httpx.Timeout(60, read=2))
-    deadline = time.monotonic() + 10
-    while not any(e.get("request_id") == "leaver-1" for e in daemon.events("http_client_disconnected")):
-        assert time.monotonic() < deadline, "the daemon did not notice the client leave"
-        time.sleep(0.05)
+    wait_until(lambda: any(e.get("request_id") == "leaver-1" for e in daemon.events("http_client_disconnected")),
+               what="the daemon to notice the client leave")
     # the sequence left the batch: nothing runs for smollm2 any more
-    while any(s.value for s in _samples(daemon, "modeld_running_sequences") if s.labels["model"] == "smollm2"):
-        assert time.monotonic() < deadline, "the generation kept running after its client left"
-        time.sleep(0.1)
+    wait_until(lambda: not any(s.value for s in _samples(daemon, "modeld_running_sequences")
+                               if s.labels["model"] == "smollm2"),
+               what="the generation to stop after its client left")

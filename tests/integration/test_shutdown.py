@@ -4,7 +4,6 @@ calls in flight finish, and the process exits 0."""
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -13,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from daemon import start_daemon
 from modeld.clients import Client
+from polling import wait_until
 
 LONG_TEXT = " ".join(["a long sentence keeps the model busy for a while"] * 30)
 
@@ -34,11 +34,15 @@ def test_graceful_shutdown_with_calls_in_flight():
 
         follower = threading.Thread(target=follow, daemon=True)
         follower.start()
+        entered = _calls_entered(client)
         with ThreadPoolExecutor(16) as pool:
             futures = [pool.submit(client.embed, [LONG_TEXT] * 4) for _ in range(8)]
-            time.sleep(0.3)  # the calls are in flight
+            # every call reached the engine: none can be refused as too late
+            wait_until(lambda: _calls_entered(client) >= entered + 8, what="the eight calls in flight")
             daemon.proc.send_signal(15)
-            time.sleep(0.5)  # inside the drain delay: health is NOT_SERVING, the port still open
+            # inside the drain delay: health is NOT_SERVING (the port stays open
+            # for a while, and once it closes a new call is UNAVAILABLE too)
+            wait_until(lambda: health_pb2.HealthCheckResponse.NOT_SERVING in statuses, what="the drain to begin")
             try:
                 client.embed(["too late"])
                 refused = None
@@ -56,3 +60,8 @@ def test_graceful_shutdown_with_calls_in_flight():
     # channel, whichever came first, and not with an error of the daemon's
     assert len(ended) == 1 and ended[0] in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE), ended
     assert daemon.events("daemon_draining") and daemon.events("daemon_stopped")
+
+
+def _calls_entered(client: Client, model: str = "minilm") -> int:
+    """Calls that have reached `model` in the engine, however they ended."""
+    return next(m.request_count for m in client.node_stats().models if m.name == model)
