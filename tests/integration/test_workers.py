@@ -26,6 +26,7 @@ from daemon import MODELS, start_daemon
 from modeld.clients import Client
 from modeld.gen import generation_pb2 as g
 from modeld.gen import generation_pb2_grpc as gg
+from polling import wait_until
 
 LLM_TABLE = """
 format = "gguf"
@@ -132,10 +133,7 @@ def _greedy(stub, model: str, prompt: str, max_tokens: int = 16) -> list[int]:
 
 
 def _wait_until(predicate, timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+    wait_until(predicate, timeout, what)
 
 
 SENTENCES = ["a worker process of its own", "the same answer either way", "hello world"]
@@ -160,9 +158,13 @@ def test_worker_is_named_after_its_model(daemon, client):
 def test_memory_is_the_workers_resident_memory(daemon, client):
     client.embed(["load it"], "minilm-worker")
     pid = worker_pid(daemon, "minilm-worker")
-    time.sleep(2.5)  # one refresh of the worker's figure
-    held = {m.name: m.memory_bytes for m in client.node_stats().models}
-    reported, rss = held["minilm-worker"], _rss(pid)
+
+    def refreshed():  # the worker's resident memory is re-read every 2 s; until then the books hold its estimate
+        held = {m.name: m.memory_bytes for m in client.node_stats().models}
+        reported, rss = held["minilm-worker"], _rss(pid)
+        return (held, reported, rss) if abs(reported - rss) <= 0.1 * rss else None
+
+    held, reported, rss = wait_until(refreshed, what="the worker's figure to follow its resident memory")
     estimate = 120 * 2**20  # minilm's memory_estimate
     file_size = (MODELS / "minilm" / "model.onnx").stat().st_size
     # the process holds the interpreter and runtime too: more than the model's own estimate
@@ -181,7 +183,7 @@ def test_unload_ends_the_process_and_frees_its_bytes(daemon, client):
     used = models_used()
     held = {m.name: m.memory_bytes for m in client.node_stats().models}["minilm-worker"]
     client.unload("minilm-worker")
-    _wait_until(lambda: not Path(f"/proc/{pid}").exists(), 10, "the worker to exit")
+    _wait_until(lambda: not Path(f"/proc/{pid}").exists(), what="the worker to exit")
     assert models_used() == used - held
 
 
@@ -199,6 +201,10 @@ async def _stream_until_failure(address: str, model: str, started: asyncio.Event
         except grpc.aio.AioRpcError as exc:
             return exc.code(), exc.details()
         return grpc.StatusCode.OK, ""
+
+
+def _in_flight(client: Client, model: str) -> int:
+    return next((m.in_flight for m in client.node_stats().models if m.name == model), 0)
 
 
 def _embedding_traffic(address: str, stop: threading.Event, outcomes: list) -> None:
@@ -239,7 +245,7 @@ def test_a_dead_worker_fails_only_its_own_calls(daemon, client, stub, sig):
     assert embeddings and all(o == "ok" for o in embeddings), set(embeddings)
     assert _health(daemon, "") == health_pb2.HealthCheckResponse.SERVING
     _wait_until(lambda: _metric(daemon, "modeld_worker_deaths_total", model="llm", backend="llamacpp",
-                                stage="run") == deaths + 1, 10, "the death to be counted")
+                                stage="run") == deaths + 1, what="the death to be counted")
     assert _health(daemon, "llm") == health_pb2.HealthCheckResponse.NOT_SERVING
     reason = {m.name: m for m in client.models()}["llm"]
     assert reason.state == "UNAVAILABLE" and f"signal {sig.name}" in reason.reason
@@ -281,7 +287,8 @@ def test_a_worker_killed_between_batches_fails_its_calls_in_flight(daemon, clien
     victims = [threading.Thread(target=victim_traffic) for _ in range(4)]
     for t in victims:
         t.start()
-    time.sleep(1.0)
+    # a batch on the worker when it dies (the victims keep one there from now on)
+    _wait_until(lambda: _in_flight(client, "minilm-worker"), what="a batch in flight on the worker")
     os.kill(pid, signal.SIGKILL)
     for t in victims:
         t.join(60)
