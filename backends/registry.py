@@ -23,7 +23,7 @@ BACKENDS: dict[str, str] = {
     "onnx-genai": "modeld.backends.onnx_genai.backend:OnnxGenaiBackend",
     "coreml": "modeld.backends.coreml.backend:CoreMLBackend",  # macOS only; registered everywhere
     # remote engines (format = "remote" models): one module per wire protocol
-    "openai": "modeld.backends.remote.openai:OpenAIBackend",
+    "openai": "modeld.backends.remote.openai_compat:OpenAIBackend",
     "vllm": "modeld.backends.remote.vllm:VllmBackend",
     "sglang": "modeld.backends.remote.sglang:SglangBackend",
     "tgi": "modeld.backends.remote.tgi:TgiBackend",

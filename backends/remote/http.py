@@ -6,9 +6,7 @@ Every failure leaves here as a ModeldError. One the health tracker must
 count (unreachable, timeout, 5xx, a broken stream) is a RemoteFailure, an
 Unavailable that says which FailureKind it was; an answer that refuses the
 request on its merits (4xx) keeps the remote's own message and maps by
-meaning: 404 NOT_FOUND, 413/429 RESOURCE_EXHAUSTED, 401/403
-FAILED_PRECONDITION (modeld's key is wrong, not the caller's), the rest
-INVALID_ARGUMENT.
+meaning through one table, kind_for_status.
 """
 
 from __future__ import annotations
@@ -20,9 +18,7 @@ from typing import Any, AsyncIterator
 import httpx
 from httpx_sse import SSEError, aconnect_sse
 
-from modeld.backends.errors import (
-    ErrorKind, InvalidArgument, ModeldError, NotFound, ResourceExhausted, Unavailable,
-)
+from modeld.backends.errors import ErrorKind, ModeldError, Unavailable, error_for
 from modeld.backends.remote.health import FailureKind
 
 _MAX_MESSAGE = 500  # characters of a remote's error body worth quoting to a client
@@ -159,22 +155,37 @@ def _event_json(where: str, data: str) -> Any:
                             FailureKind.BROKEN_STREAM) from None
 
 
+# One table for every remote protocol, whether the status comes as the HTTP
+# answer or inside a stream's error event (OpenAI's `code`, SGLang's abort
+# `status_code`). 401/403 refuse *modeld's* credentials for the remote
+# ([remote] api_key_env), which the caller can neither see nor fix: they are
+# FAILED_PRECONDITION (an operator must fix the daemon), never a verdict on
+# the caller's own credentials, and not UNAVAILABLE either, since retrying
+# elsewhere or later cannot help until the key is fixed.
+_KIND_BY_STATUS = {
+    401: ErrorKind.FAILED_PRECONDITION, 403: ErrorKind.FAILED_PRECONDITION, 404: ErrorKind.NOT_FOUND,
+    408: ErrorKind.UNAVAILABLE, 413: ErrorKind.RESOURCE_EXHAUSTED, 429: ErrorKind.RESOURCE_EXHAUSTED,
+    424: ErrorKind.UNAVAILABLE,  # TGI: a failed generation in its shards
+}
+
+
+def kind_for_status(status: int | None) -> ErrorKind:
+    """The kind a remote's HTTP status means; a missing or non-error status
+    (a stream that just failed) is the remote's failure: UNAVAILABLE."""
+    if not isinstance(status, int) or not 400 <= status < 500:
+        return ErrorKind.UNAVAILABLE
+    return _KIND_BY_STATUS.get(status, ErrorKind.INVALID_ARGUMENT)
+
+
 def error_for_status(where: str, status: int, body: str) -> ModeldError:
     """An HTTP error answer as the error a client of modeld should see."""
     text = f"{where} answered HTTP {status}: {remote_message(body)}"
-    if status >= 500 or status == 424:  # TGI: 424 is a failed generation in its shards
-        return RemoteFailure(text, FailureKind.SERVER_ERROR)
-    if status == 408:
-        return RemoteFailure(text, FailureKind.TIMEOUT)
-    if status == 404:
-        return NotFound(text)
-    if status in (413, 429):
-        return ResourceExhausted(text)
-    if status in (401, 403):
-        error = ModeldError(f"{text}; the daemon's key for it is missing or wrong (check [remote] api_key_env)")
-        error.kind = ErrorKind.FAILED_PRECONDITION
-        return error
-    return InvalidArgument(text)
+    kind = kind_for_status(status)
+    if kind is ErrorKind.UNAVAILABLE:
+        return RemoteFailure(text, FailureKind.TIMEOUT if status == 408 else FailureKind.SERVER_ERROR)
+    if kind is ErrorKind.FAILED_PRECONDITION:
+        text += "; the daemon's key for it is missing or wrong (check [remote] api_key_env)"
+    return error_for(kind, text)
 
 
 def remote_message(body: str) -> str:

@@ -30,15 +30,11 @@ from modeld.backends.base import Capability
 from modeld.backends.errors import ErrorKind, LoadFailed, ModeldError, Unimplemented
 from modeld.backends.generation.params import FinishReason, GenerateRequest, TokenEvent, TokenLogprob
 from modeld.backends.remote.health import FailureKind
-from modeld.backends.remote.http import RemoteFailure
+from modeld.backends.remote.http import RemoteFailure, kind_for_status
 from modeld.backends.remote.model import RemoteBackend
 from modeld.backends.remote.protocol import (
     PROBE_TIMEOUT_S, RemoteFinish, RemoteLoad, RemoteProtocol, Sample, metric_sum, served_names,
 )
-
-_KIND_BY_STATUS = {400: ErrorKind.INVALID_ARGUMENT, 404: ErrorKind.NOT_FOUND, 413: ErrorKind.RESOURCE_EXHAUSTED,
-                   429: ErrorKind.RESOURCE_EXHAUSTED}
-
 
 class SglangProtocol(RemoteProtocol):
     engine = "sglang"
@@ -155,7 +151,7 @@ class SglangProtocol(RemoteProtocol):
         message = reason.get("message", "") if isinstance(reason, dict) else ""
         status = reason.get("status_code") if isinstance(reason, dict) else None
         return RemoteFinish(FinishReason.ERROR, error=f"{self.where} ended the sequence ({kind}): {message}".rstrip(": "),
-                            error_kind=_KIND_BY_STATUS.get(status, ErrorKind.UNAVAILABLE), **figures)
+                            error_kind=kind_for_status(status), **figures)
 
     # -- tokens --------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from modeld.backends.generation.params import (
     FinishReason, GenerateRequest, SamplingParams, TokenEvent, TokenLogprob,
 )
 from modeld.backends.remote.model import RemoteBackend
-from modeld.backends.remote.openai import CHAT, OpenAIProtocol
+from modeld.backends.remote.openai_compat import CHAT, OpenAIProtocol
 from modeld.backends.remote.protocol import RemoteFinish, RemoteLoad, Sample, metric_sum, ratio
 
 _TOKEN_PREFIX = "token_id:"

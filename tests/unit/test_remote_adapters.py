@@ -16,7 +16,7 @@ from modeld.backends.generation.params import (
 )
 from modeld.backends.remote.health import FailureKind
 from modeld.backends.remote.http import Endpoint, RemoteFailure, RemoteHttp
-from modeld.backends.remote.openai import OpenAIProtocol
+from modeld.backends.remote.openai_compat import OpenAIProtocol
 from modeld.backends.remote.protocol import RemoteFinish, parse_metrics
 from modeld.backends.remote.sglang import SglangProtocol
 from modeld.backends.remote.tgi import TgiProtocol

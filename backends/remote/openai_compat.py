@@ -36,7 +36,7 @@ from modeld.backends.generation.params import (
     FinishReason, GenerateRequest, SamplingParams, TokenEvent,
 )
 from modeld.backends.remote.health import FailureKind
-from modeld.backends.remote.http import RemoteFailure, error_for_status, remote_message
+from modeld.backends.remote.http import RemoteFailure, kind_for_status, remote_message
 from modeld.backends.remote.model import RemoteBackend
 from modeld.backends.remote.protocol import PROBE_TIMEOUT_S, RemoteFinish, RemoteProtocol
 
@@ -233,10 +233,9 @@ class OpenAIProtocol(RemoteProtocol):
         """An error event: its code, where it has one, says whose fault it was."""
         inner = chunk.get("error") if isinstance(chunk.get("error"), dict) else chunk
         code = inner.get("code")
-        kind = error_for_status("", code, "").kind if isinstance(code, int) and 400 <= code < 600 else None
         return RemoteFinish(FinishReason.ERROR, completion_tokens=state.num_tokens,
                             error=f"{self.where} failed the sequence: {remote_message_of(chunk)}",
-                            error_kind=kind or ErrorKind.UNAVAILABLE)
+                            error_kind=kind_for_status(inner.get("code")))
 
     # -- tokens --------------------------------------------------------------------------
 
