@@ -21,6 +21,8 @@ from modeld.gen import generation_pb2_grpc as gg
 from modeld.gen import inference_pb2 as pb
 from modeld.gen import inference_pb2_grpc as pb_grpc
 from modeld.gen import node_pb2, node_pb2_grpc
+from modeld.server.services.node import watch_interval_s
+from polling import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +56,12 @@ def _model(stats: node_pb2.NodeStats, name: str) -> node_pb2.ModelLoad:
     return next(m for m in stats.models if m.name == name)
 
 
-def _wait_for(node, predicate, timeout: float = 20.0) -> node_pb2.NodeStats:
-    deadline = time.monotonic() + timeout
-    while True:
+def _wait_for(node, predicate, timeout: float = 60.0) -> node_pb2.NodeStats:
+    def reached() -> node_pb2.NodeStats | None:
         stats = _stats(node)
-        if predicate(stats):
-            return stats
-        assert time.monotonic() < deadline, f"not reached within {timeout} s:\n{stats}"
-        time.sleep(0.05)
+        return stats if predicate(stats) else None
+
+    return wait_until(reached, timeout, "the node's figures")
 
 
 def _embed(channel, input_name: str = "text") -> pb.ModelInferRequest:
@@ -178,7 +178,13 @@ def test_watch_streams_snapshots_until_cancelled(node, channel):
     call.cancel()
     assert len(seen) == 3 and all(s.node_id == socket.gethostname() for s in seen)
     assert seen[0].uptime_s < seen[1].uptime_s < seen[2].uptime_s
-    assert 0.15 <= elapsed < 5  # two intervals of 100 ms between three snapshots
+    # two intervals of 100 ms between three snapshots, by the daemon's clock
+    # and by ours; how much longer a busy machine takes is no fact about the
+    # watch, so the interval asked for is checked where the daemon reads it
+    gaps = [later.uptime_s - earlier.uptime_s for earlier, later in zip(seen, seen[1:])]
+    assert all(gap >= 0.1 - 1e-3 for gap in gaps), gaps
+    assert elapsed >= 0.15
+    assert watch_interval_s(100) == 0.1  # what was asked, not the one-second default
     with pytest.raises(grpc.RpcError) as err:
         next(call)
     assert err.value.code() == grpc.StatusCode.CANCELLED
@@ -223,15 +229,12 @@ def test_a_watch_ends_cleanly_when_the_daemon_drains(daemon, node):
     follower.start()
     _wait_for_len(seen, 1)
     daemon.proc.send_signal(15)
-    follower.join(20)
+    follower.join(60)
     # the watch saw the drain within its poll, long before its own minute-long interval
     assert ended == [grpc.StatusCode.OK], ended
     assert len(seen) == 2 and not seen[0].draining and seen[-1].draining
     assert daemon.proc.wait(30) == 0
 
 
-def _wait_for_len(items: list, n: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while len(items) < n:
-        assert time.monotonic() < deadline, f"only {len(items)} of {n}"
-        time.sleep(0.02)
+def _wait_for_len(items: list, n: int, timeout: float = 60.0) -> None:
+    wait_until(lambda: len(items) >= n, timeout, f"{n} items", interval=0.02)
