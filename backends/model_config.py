@@ -11,13 +11,14 @@ import json
 import re
 import tomllib
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
 
 from modeld.backends.errors import InvalidArgument
 from modeld.backends.options import OPTIONS_BY_BACKEND, BackendOptions, parse_backend_options
 from modeld.backends.sizes import parse_size
+from modeld.backends.triton_config import triton_to_native
 
 # KServe v2 datatype names; the Triton model-config spelling is TYPE_<name>
 # (with TYPE_STRING for BYTES).
@@ -37,6 +38,20 @@ class ModelFormat(Enum):
     COREML = "coreml"  # .mlpackage / .mlmodel, or a torch.export .pt2 the coreml backend converts
 
 
+class Isolation(StrEnum):
+    """Where a model runs (server/workers): in a worker process of its own or
+    in the daemon. AUTO is the daemon's default only: native LLM backends in a
+    worker, the rest in the daemon."""
+
+    AUTO = "auto"
+    PROCESS = "process"
+    IN_PROCESS = "in-process"
+
+
+# what a model.toml may say; without it the daemon's default applies
+MODEL_ISOLATIONS = (Isolation.PROCESS, Isolation.IN_PROCESS)
+
+
 class ModelKind(Enum):
     """What a model's inputs and outputs mean to the server."""
 
@@ -51,10 +66,6 @@ DEFAULT_ARTIFACTS = {ModelFormat.ONNX: "model.onnx", ModelFormat.GGUF: "model.gg
 
 # A remote model's local fallback artifact: its format follows from its name.
 _FORMAT_BY_SUFFIX = {".gguf": ModelFormat.GGUF, ".onnx": ModelFormat.ONNX, ".safetensors": ModelFormat.SAFETENSORS}
-
-# Triton `backend` / `platform` values that mean "an ONNX graph".
-_TRITON_ONNX_NAMES = {"onnxruntime", "onnxruntime_onnx", "onnx"}
-
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -118,8 +129,7 @@ class ModelConfig:
     rerank: RerankSpec = RerankSpec()
     # [limits] max_request_bytes: None follows the daemon's max_request_bytes
     max_request_bytes: int | None = None
-    # "process": a worker process of its own (server/workers); None: the daemon's default
-    isolation: str | None = None
+    isolation: Isolation | None = None  # None: the daemon's default
 
     @property
     def artifact_path(self) -> str:
@@ -155,7 +165,7 @@ def config_from_json(name: str, text: str) -> ModelConfig:
         raise InvalidArgument(f"model {name!r}: inline config is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise InvalidArgument(f"model {name!r}: inline config must be a JSON object")
-    return config_from_dict(name, _triton_to_native(raw))
+    return config_from_dict(name, triton_to_native(raw, _KNOWN_KEYS))
 
 
 _KNOWN_KEYS = {
@@ -206,16 +216,13 @@ def config_from_dict(name: str, raw: dict[str, Any]) -> ModelConfig:
     )
 
 
-ISOLATION_VALUES = ("process", "in-process")
-
-
-def _isolation(reader: _Reader) -> str | None:
+def _isolation(reader: _Reader) -> Isolation | None:
     if "isolation" not in reader.raw:
         return None
     value = reader.raw["isolation"]
-    if value not in ISOLATION_VALUES:
-        raise reader._fail("isolation", "one of " + ", ".join(ISOLATION_VALUES))
-    return value
+    if value not in MODEL_ISOLATIONS:
+        raise reader._fail("isolation", "one of " + ", ".join(MODEL_ISOLATIONS))
+    return Isolation(value)
 
 
 _LIMITS_KEYS = ("max_request_bytes",)
@@ -393,61 +400,3 @@ def _rerank_spec(model: str, kind: ModelKind, raw: dict[str, Any], declared: Mod
                               "tokenizer (each query and document are tokenized as one pair), or set "
                               "rerank.embedding_model to rank by an embedding model's cosine similarity")
     return spec
-
-
-def _triton_to_native(raw: dict[str, Any]) -> dict[str, Any]:
-    """Map the Triton model-config keys modeld understands onto ours.
-
-    Keys already in our own spelling pass through, so one JSON may mix both.
-    """
-    out = {k: v for k, v in raw.items() if k in _KNOWN_KEYS}
-    for key, kind in (("batching", dict), ("dynamic_batching", dict), ("input", list), ("output", list)):
-        if key in raw and not isinstance(raw[key], kind):
-            raise InvalidArgument(f"config key {key} must be {'an object' if kind is dict else 'a list'}, got {raw[key]!r}")
-    triton_backend = raw.get("backend") or raw.get("platform")
-    if triton_backend is not None:
-        if not isinstance(triton_backend, str) or triton_backend not in _TRITON_ONNX_NAMES:
-            raise InvalidArgument(
-                f"Triton backend/platform {triton_backend!r} is not served by modeld; "
-                f"use one of {sorted(_TRITON_ONNX_NAMES)} or set 'format'"
-            )
-        out.setdefault("format", "onnx")
-    batching = dict(out.get("batching", {}))
-    max_batch = raw.get("max_batch_size", 0)
-    if "max_batch_size" in raw:
-        batching["max_batch_size"] = max_batch
-    dyn = raw.get("dynamic_batching")
-    if isinstance(dyn, dict) and "max_queue_delay_microseconds" in dyn:
-        batching["max_queue_delay_us"] = _as_int(dyn["max_queue_delay_microseconds"])
-    if isinstance(dyn, dict) and "preferred_batch_size" in dyn:
-        sizes = dyn["preferred_batch_size"]
-        batching["preferred_batch_sizes"] = [_as_int(v) for v in sizes] if isinstance(sizes, list) else sizes
-    if batching:
-        out["batching"] = batching
-    for triton_key, ours in (("input", "inputs"), ("output", "outputs")):
-        if triton_key in raw:
-            out[ours] = [_triton_tensor(t, batched=isinstance(max_batch, int) and max_batch > 0) for t in raw[triton_key]]
-    # Triton configs carry many scheduling keys modeld has no use for
-    # (instance_group, optimization, ...); they don't change results, so they
-    # are accepted and dropped rather than refused.
-    return out
-
-
-def _as_int(value: Any) -> Any:
-    # Protobuf-JSON renders 64-bit integers as strings.
-    if isinstance(value, str) and value.lstrip("-").isdigit():
-        return int(value)
-    return value
-
-
-def _triton_tensor(item: Any, batched: bool) -> dict[str, Any]:
-    if not isinstance(item, dict):
-        return item
-    dtype = str(item.get("data_type", item.get("datatype", "")))
-    dtype = dtype.removeprefix("TYPE_")
-    dtype = "BYTES" if dtype == "STRING" else dtype
-    dims = item.get("dims", item.get("shape", []))
-    if not isinstance(dims, list):
-        raise InvalidArgument(f"tensor {item.get('name')!r}: dims must be a list of integers, got {dims!r}")
-    dims = [_as_int(d) for d in dims]
-    return {"name": item.get("name"), "datatype": dtype, "shape": ([-1] if batched else []) + dims}

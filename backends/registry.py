@@ -28,6 +28,12 @@ BACKENDS: dict[str, str] = {
     "sglang": "modeld.backends.remote.sglang:SglangBackend",
     "tgi": "modeld.backends.remote.tgi:TgiBackend",
 }
+# the backends of format = "remote" models: a remote engine holds nothing here
+REMOTE_BACKENDS = frozenset({"openai", "vllm", "sglang", "tgi"})
+# isolation "auto" runs these in a worker: their native runtimes (C++ with
+# their own threads and allocators) can take the daemon down with them, and
+# their steps are long enough that the channel's cost is lost in them
+NATIVE_LLM_BACKENDS = frozenset({"llamacpp", "torch", "onnx-genai"})
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from modeld.backends.model_config import Isolation
+
 DEFAULT_ADDRESS = "127.0.0.1:8001"
 
 
@@ -26,7 +28,7 @@ def _serve_args(sub) -> None:
     p.add_argument("--no-lazy-load", dest="lazy_load", action="store_const", const=False, help="never load a model on first request")
     p.add_argument("--no-preload", dest="preload", action="store_const", const=False, help="don't load repository models at start")
     p.add_argument("--log-format", dest="log_format", choices=["json", "console"])
-    p.add_argument("--isolation", choices=["auto", "process", "in-process"],
+    p.add_argument("--isolation", choices=[i.value for i in Isolation],
                    help="where models run unless their model.toml sets isolation: each in a worker process, "
                         "in the daemon, or auto (default: native LLM backends in a worker, the rest in-process)")
     p.add_argument("--tls-cert", dest="tls_cert", metavar="FILE",

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from modeld.backends.model_config import Isolation
 from modeld.backends.sizes import format_size, parse_size
 from modeld.server.backend_health import HealthPolicy
 
@@ -55,7 +56,7 @@ class Settings:
     backend_cooldown_s: float = HealthPolicy.cooldown_s
     # worker processes (server/workers): where a model runs unless its
     # model.toml says (auto: native LLM backends in a worker, the rest in-process)
-    isolation: str = "auto"
+    isolation: str = Isolation.AUTO  # a string until checked; worker_policy hands on the Isolation
     worker_load_timeout_s: float = 300.0  # a worker still loading after this is killed
     worker_restart_backoff_s: float = 1.0  # wait before restarting a model whose worker died, doubling
     worker_restart_backoff_max_s: float = 60.0
@@ -71,7 +72,7 @@ class Settings:
     def worker_policy(self):
         from modeld.server.workers.supervisor import WorkerPolicy
 
-        return WorkerPolicy(self.isolation, self.worker_load_timeout_s, self.worker_restart_backoff_s,
+        return WorkerPolicy(Isolation(self.isolation), self.worker_load_timeout_s, self.worker_restart_backoff_s,
                             self.worker_restart_backoff_max_s, log_level=self.log_level, log_format=self.log_format)
 
     def describe(self) -> str:
@@ -217,8 +218,8 @@ def _validate(s: Settings) -> None:
         ("backend_unhealthy_after", s.backend_unhealthy_after >= 1, "backend_unhealthy_after must be at least 1"),
         ("backend_health_window_s", s.backend_health_window_s > 0, "backend_health_window_s must be positive"),
         ("backend_cooldown_s", s.backend_cooldown_s > 0, "backend_cooldown_s must be positive"),
-        ("isolation", s.isolation in ("auto", "process", "in-process"),
-         f"isolation {s.isolation!r} must be auto, process or in-process"),
+        ("isolation", s.isolation in tuple(Isolation),
+         f"isolation {s.isolation!r} must be {', '.join(list(Isolation)[:-1])} or {list(Isolation)[-1]}"),
         ("worker_load_timeout_s", s.worker_load_timeout_s > 0, "worker_load_timeout_s must be positive"),
         ("worker_restart_backoff_s", s.worker_restart_backoff_s >= 0, "worker_restart_backoff_s must not be negative"),
         ("worker_restart_backoff_max_s", s.worker_restart_backoff_max_s >= s.worker_restart_backoff_s,

@@ -17,24 +17,18 @@ import structlog
 
 from modeld.backends.base import Backend
 from modeld.backends.errors import Unavailable
+from modeld.backends.model_config import Isolation
+from modeld.backends.registry import NATIVE_LLM_BACKENDS, REMOTE_BACKENDS
 from modeld.server.workers.backoff import RestartBackoff
 from modeld.server.workers.proxy import WorkerCrashedOnLoad, load_in_worker
 
 log = structlog.get_logger("modeld.workers")
 
-PROCESS, IN_PROCESS, AUTO = "process", "in-process", "auto"
-ISOLATION_VALUES = (PROCESS, IN_PROCESS)
-DEFAULT_ISOLATION_VALUES = (AUTO, PROCESS, IN_PROCESS)
-# "auto": the backends whose native runtimes (C++ with their own threads and
-# allocators) can take the daemon down with them; their steps are long
-# enough that the channel's cost is lost in them (README, "Worker processes")
-NATIVE_LLM_BACKENDS = frozenset({"llamacpp", "torch", "onnx-genai"})
-REMOTE_BACKENDS = frozenset({"openai", "vllm", "sglang", "tgi"})
 
 
 @dataclass(frozen=True)
 class WorkerPolicy:
-    default_isolation: str = IN_PROCESS  # auto, process or in-process
+    default_isolation: Isolation = Isolation.IN_PROCESS
     load_timeout_s: float = 300.0
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 60.0
@@ -54,9 +48,9 @@ class WorkerSupervisor:
         if backend.name in REMOTE_BACKENDS:
             return False  # a remote engine holds nothing here to isolate
         isolation = getattr(config, "isolation", None) or self.policy.default_isolation
-        if isolation == AUTO:
+        if isolation == Isolation.AUTO:
             return backend.name in NATIVE_LLM_BACKENDS
-        return isolation == PROCESS
+        return isolation == Isolation.PROCESS
 
     def check_backoff(self, model: str) -> None:
         wait = self.backoff.retry_in(model)
