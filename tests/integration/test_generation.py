@@ -17,7 +17,7 @@ from tritonclient.utils import InferenceServerException
 from daemon import MODELS
 from modeld.gen import generation_pb2 as g
 from modeld.gen import generation_pb2_grpc as gg
-from polling import wait_until_async
+from polling import wait_until, wait_until_async
 
 PROMPTS = [
     "The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,",
@@ -159,10 +159,7 @@ def test_cancelling_mid_stream_frees_the_sequence(stub, daemon):
         if got >= 5:
             call.cancel()
             break
-    deadline = time.monotonic() + 10
-    while _metric(daemon, "modeld_running_sequences") != 0 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _metric(daemon, "modeld_running_sequences") == 0
+    wait_until(lambda: _metric(daemon, "modeld_running_sequences") == 0, what="the sequence to leave the batch")
     tokens, _, final = _generate(stub, "Hello", max_tokens=4)
     assert len(tokens) == 4 and final.finish_reason == g.FINISH_REASON_LENGTH
 

@@ -16,6 +16,7 @@ import pytest
 import tritonclient.grpc as tc
 
 from daemon import start_daemon
+from polling import wait_until
 from modeld.gen import generation_pb2 as g
 from modeld.gen import generation_pb2_grpc as gg
 
@@ -381,11 +382,9 @@ def test_oversize_body_is_413_in_openai_shape(small_daemon):
 # -- a client that leaves frees its sequence -------------------------------------------------
 
 
-def _wait_until_free(daemon, seconds: float = 10) -> bool:
-    deadline = time.monotonic() + seconds
-    while _running(daemon) != 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return _running(daemon) == 0
+def _wait_until_free(daemon, seconds: float = 60) -> bool:
+    wait_until(lambda: _running(daemon) == 0, seconds, "no sequence running")
+    return True
 
 
 def test_closing_a_stream_frees_the_sequence(daemon):
