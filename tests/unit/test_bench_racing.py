@@ -96,18 +96,24 @@ def test_cpu_per_token_splits_the_front_its_children_and_the_client():
 
     from racing import CpuPerToken, tree_cpu_seconds
 
-    # a "server" whose child spins 0.4 CPU seconds while the server itself sleeps
-    # (the child waits 1 s, so its spin falls inside the counted block)
-    spin = "import time\ntime.sleep(1)\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\ntime.sleep(30)"
+    # a "server" whose child spins 0.4 CPU seconds while the server itself sleeps;
+    # the child spins when told to (a byte on the stdin it shares with the
+    # server), so its spin falls inside the counted block however slow the start
+    spin = ("import sys, time\nprint('child ready', flush=True)\nsys.stdin.read(1)\n"
+            "t = time.process_time()\nwhile time.process_time() - t < 0.4: pass\ntime.sleep(30)")
     front = subprocess.Popen([sys.executable, "-c",
                               f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {spin!r}])\n"
-                              "time.sleep(30)"])
+                              "print('front ready', flush=True)\ntime.sleep(30)"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.5)  # both have started (start-up CPU is not counted)
+        # both have started (start-up CPU is not counted)
+        assert sorted(front.stdout.readline().strip() for _ in range(2)) == ["child ready", "front ready"]
         with CpuPerToken(front.pid) as cpu:
             t = time.process_time()
             while time.process_time() - t < 0.2:  # the client's own work
                 pass
+            front.stdin.write("x")
+            front.stdin.flush()
             deadline = time.monotonic() + 20
             while tree_cpu_seconds([front.pid]) - cpu.start[1] < 0.35:
                 assert time.monotonic() < deadline, "the child never spun"
