@@ -73,9 +73,9 @@ def imported_modules(path: Path) -> set[str]:
     return found
 
 
-def _files(folder: str) -> list[Path]:
+def _files(folder: str, at_least: int = 6) -> list[Path]:
     files = sorted((ROOT / folder).rglob("*.py"))
-    assert len(files) > 5, f"found only {files} under {folder}/: is ROOT right?"
+    assert len(files) >= at_least, f"found only {files} under {folder}/: is ROOT right?"
     return files
 
 
@@ -155,3 +155,64 @@ def test_starting_the_daemon_loads_no_ml_runtime():
         "a backend must import its runtime in load(), and check for it in availability() with "
         "importlib.util.find_spec"
     )
+
+
+# What a front (a gRPC service or an HTTP route) may import from the server:
+# the data plane, and the vocabulary it decodes into and encodes from. The
+# engine, the repository, the memory books and the workers stay behind the
+# data plane, so a front cannot grow a second answer to "which model".
+FRONTS = ("server/services", "server/http")
+FRONT_MAY_IMPORT = {
+    "modeld.server.dataplane",
+    "modeld.server.requests",  # InferRequest, ModelState: what the data plane takes and gives
+    "modeld.server.request_context",  # the call's id and protocol
+    "modeld.server.lifecycle",  # draining, read by health answers
+    "modeld.server.stats",  # figures the statistics RPCs encode
+    "modeld.server.rerank",  # the rerank parameters' names
+    "modeld.server.auth",
+    "modeld.server.metrics",
+    "modeld.server.services",
+    "modeld.server.http",
+}
+
+
+def _server_imports(folder: str):
+    for path in _files(folder, at_least=2):
+        for module in sorted(imported_modules(path)):
+            if _within(module, "modeld.server"):
+                yield str(path.relative_to(ROOT)), module
+
+
+def test_fronts_reach_the_engine_only_through_the_data_plane():
+    offenders = [f"{where} imports {module}" for folder in FRONTS for where, module in _server_imports(folder)
+                 if not any(_within(module, allowed) for allowed in FRONT_MAY_IMPORT)]
+    assert not offenders, "a front decodes, calls modeld.server.dataplane and encodes:\n" + "\n".join(offenders)
+
+
+_ENGINE_PARTS = {"served", "loading", "accounting", "health", "failover", "dispatch", "deadlines"}
+
+
+def test_nothing_imports_the_engine_s_parts():
+    offenders = [f"{where} imports {module}" for folder in ("server", "backends", "clients")
+                 for where, module in _server_imports(folder)
+                 if not where.startswith("server/engine/") and _engine_part(module)]
+    assert not offenders, "import Engine and ServedModel from modeld.server.engine, not its parts:\n" + "\n".join(offenders)
+
+
+def _engine_part(module: str) -> bool:
+    parts = module.split(".")
+    return parts[:3] == ["modeld", "server", "engine"] and len(parts) > 3 and parts[3] in _ENGINE_PARTS
+
+
+def test_the_engine_s_parts_are_known_to_the_layering_test():
+    # the rule above names the parts: a new one must be named there too
+    found = {p.stem for p in (ROOT / "server/engine").glob("*.py")} - {"__init__"}
+    assert found == _ENGINE_PARTS
+
+
+def test_the_gateway_never_imports_the_daemon():
+    daemon = ("modeld.server.app", "modeld.server.engine", "modeld.server.dataplane", "modeld.server.services",
+              "modeld.server.http")
+    offenders = [f"{where} imports {module}" for where, module in _server_imports("server/gateway")
+                 if any(_within(module, d) for d in daemon)]
+    assert not offenders, "the gateway forwards calls; it shares modules with the daemon, never the daemon:\n" + "\n".join(offenders)
