@@ -30,17 +30,18 @@ import pytest
 
 import onnx_fixtures
 from daemon import ROOT, add_small_smollm2, start_daemon
-from polling import wait_until
 from modeld.gen import generation_pb2 as g
 from modeld.gen import generation_pb2_grpc as gg
 from modeld.gen import inference_pb2 as pb
 from modeld.gen import inference_pb2_grpc as pb_grpc
 from modeld.gen import node_pb2, node_pb2_grpc
+from polling import wait_until
 
 QUEUE_DELAY_S = 1.5
-# A generation meant to outlive its deadline asks for this many tokens: at
-# the 800 tokens/s it would take to finish within GENERATION_DEADLINE_S,
-# smollm2 (135M) on two threads is several times too slow on any CPU.
+# A generation meant to outlive its deadline asks for this many tokens:
+# finishing within GENERATION_DEADLINE_S would take 800 tokens/s, several
+# times what smollm2 (135M) reaches on its two threads; the 1000 tokens
+# asked for before were within reach of a fast machine.
 LONG_MAX_TOKENS = 8000
 GENERATION_DEADLINE_S = 10  # the first token of a warm model comes in well under a second
 EXPIRED_S = -1.0  # a deadline one second past: grpc refuses the call before it leaves
@@ -240,8 +241,8 @@ sys.stdin.read()  # hold the stream open until killed
 
 @pytest.mark.parametrize("rpc", ["Generate", "ModelStreamInfer"])
 def test_a_client_killed_mid_stream_frees_its_sequence(daemon, node, rpc):
-    child = subprocess.Popen([sys.executable, "-c", CHILD, daemon.address, rpc, str(LONG_MAX_TOKENS)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, daemon.address, rpc, str(LONG_MAX_TOKENS)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         assert child.stdout.readline().strip() == "streaming"
         during = _smollm2(node)
