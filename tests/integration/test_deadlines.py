@@ -40,8 +40,8 @@ from polling import wait_until
 QUEUE_DELAY_S = 1.5
 # A generation meant to outlive its deadline asks for this many tokens:
 # finishing within GENERATION_DEADLINE_S would take 800 tokens/s, several
-# times what smollm2 (135M) reaches on its two threads; the 1000 tokens
-# asked for before were within reach of a fast machine.
+# times what smollm2 (135M) reaches on its two threads (1000 tokens in
+# 8 s is within reach of a fast machine).
 LONG_MAX_TOKENS = 8000
 GENERATION_DEADLINE_S = 10  # the first token of a warm model comes in well under a second
 EXPIRED_S = -1.0  # a deadline one second past: grpc refuses the call before it leaves
