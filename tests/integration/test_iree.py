@@ -10,7 +10,6 @@ minilm compiles once (15-60 s on a shared 2-core machine).
 from __future__ import annotations
 
 import re
-import time
 import urllib.request
 from pathlib import Path
 
@@ -145,14 +144,16 @@ def test_minilm_on_iree_matches_onnxruntime(client):
 def test_the_compiled_module_is_cached_next_to_the_model(client, iree_daemon, repo):
     modules = list((repo / "minilm" / ".iree-cache").glob("*.vmfb"))
     assert len(modules) == 1 and modules[0].stat().st_size > 50_000_000  # the weights travel in the module
+    compiled = modules[0].stat().st_mtime_ns
     client.unload_model("minilm")
-    started = time.perf_counter()
     client.load_model("minilm")
-    reload_s = time.perf_counter() - started
     loads = [e for e in iree_daemon.events("iree_module_loaded") if e["model"] == "minilm"]
     assert [e["cached"] for e in loads] == [False, True]
     assert loads[0]["compile_s"] > 1 and loads[1]["compile_s"] == 0
-    assert reload_s < loads[0]["compile_s"], "a reload must not compile again"
+    # a reload must not compile again: the module on disk is the one the first load wrote
+    # (not a reload faster than the compile, which a busy machine can stretch)
+    assert list((repo / "minilm" / ".iree-cache").glob("*.vmfb")) == modules
+    assert modules[0].stat().st_mtime_ns == compiled, "a reload must not compile again"
     assert client.get_model_metadata("minilm").platform == "modeld_iree"
 
 
