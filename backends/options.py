@@ -157,7 +157,7 @@ class LlamaCppOptions(_Options):
     context_length: int = _int(4096, minimum=1)
     n_threads: int = _int(2, minimum=1)
     max_step_tokens: int = _int(512, minimum=1)
-    # prompt tokens per step, over all prompts in it (scheduler.SchedulerConfig)
+    # prompt tokens per step, over all prompts in it (slot_scheduler.SlotConfig)
     max_prefill_tokens: int = _int(32, minimum=1)
     max_waiting: int = _int(256, minimum=1)  # 0 would refuse every request
     draft_model: str = _model_name()

@@ -1,6 +1,6 @@
 """Continuous batching over a paged KV cache (the torch runtime's scheduler).
 
-Same interface as Scheduler (schedule / update, see interface.py), same
+Same interface as SlotScheduler (schedule / update, see interface.py), same
 token-budget loop: caught-up sequences first (one token plus drafts), then
 prompt chunks. Blocks come from a BlockManager; a new prompt starts after
 its cached prefix. When blocks run out, the most recently admitted sequence

@@ -12,7 +12,8 @@ from modeld.backends.generation.executor import StepExecutor
 from modeld.backends.generation.interface import SlotWork, StepPlan
 from modeld.backends.generation.loop import GenerationLoop, GenerationObserver
 from modeld.backends.generation.params import ChatMessage
-from modeld.backends.generation.scheduler import Scheduler, SchedulerConfig, admission_from
+from modeld.backends.generation.scheduler import admission_from
+from modeld.backends.generation.slot_scheduler import SlotConfig, SlotScheduler
 from modeld.backends.model_config import ModelConfig, ModelFormat, TensorSpec
 from modeld.backends.options import LlamaCppOptions
 from modeld.backends.tensor_model import process_rss
@@ -85,7 +86,7 @@ class LlamaGenerativeModel(GenerativeModel):
         self.nbytes = max(path.stat().st_size + kv_bytes, process_rss() - rss_before)
         self.inputs, self.outputs = TEXT_SIGNATURE
         context_length = min(options.context_length, self.llama_model.n_ctx_train, n_ctx // n_slots)
-        self.scheduler = Scheduler(SchedulerConfig(
+        self.scheduler = SlotScheduler(SlotConfig(
             num_slots=n_slots, kv_capacity=n_ctx, context_length=context_length,
             max_step_tokens=step, max_prefill_tokens=options.max_prefill_tokens, max_waiting=options.max_waiting,
             admission=admission_from(options),

@@ -232,7 +232,6 @@ class OpenAIProtocol(RemoteProtocol):
     def error_finish(self, chunk: dict, state: _StreamState) -> RemoteFinish:
         """An error event: its code, where it has one, says whose fault it was."""
         inner = chunk.get("error") if isinstance(chunk.get("error"), dict) else chunk
-        code = inner.get("code")
         return RemoteFinish(FinishReason.ERROR, completion_tokens=state.num_tokens,
                             error=f"{self.where} failed the sequence: {remote_message_of(chunk)}",
                             error_kind=kind_for_status(inner.get("code")))

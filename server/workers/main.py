@@ -30,22 +30,6 @@ from modeld.server.workers.frames import ThreadChannel
 
 log = structlog.get_logger("modeld.worker")
 
-# Test-only: "<model>:abort" makes that model's worker abort while loading,
-# as a runtime that crashes on a bad file would; "<model>:hang" makes it
-# never finish loading (tests/integration/test_workers.py).
-TEST_ON_LOAD_ENV = "MODELD_WORKER_TEST_ON_LOAD"
-
-
-async def _test_hook(model: str) -> None:
-    target, _, action = os.environ.get(TEST_ON_LOAD_ENV, "").rpartition(":")
-    if target != model:
-        return
-    if action == "abort":
-        os.abort()
-    if action == "hang":
-        await asyncio.Event().wait()
-
-
 def error_reply(rid: int, exc: BaseException) -> tuple:
     if isinstance(exc, ModeldError):
         return ("error", rid, type(exc).__name__, exc.kind.value, str(exc))
@@ -54,24 +38,20 @@ def error_reply(rid: int, exc: BaseException) -> tuple:
 
 
 class _ForwardingObserver:
-    """The generation loop's figures, sent to the daemon's GenerationMetrics,
-    with the loop's step counts (the daemon mirrors them for tests)."""
+    """The generation loop's figures, sent to the observer the daemon set on
+    the stand-in (its GenerationMetrics)."""
 
-    def __init__(self, out: ThreadChannel, loop) -> None:
-        self.out, self.loop = out, loop
-
-    def _counts(self) -> tuple[int, int, int]:
-        c = self.loop.step_counts
-        return c.steps, c.shared_steps, c.most_sequences
+    def __init__(self, out: ThreadChannel) -> None:
+        self.out = out
 
     def on_step(self, num_running: int, num_waiting: int, kv_used: int, kv_capacity: int) -> None:
-        self.out.send(("obs", "on_step", (num_running, num_waiting, kv_used, kv_capacity), self._counts()))
+        self.out.send(("obs", "on_step", (num_running, num_waiting, kv_used, kv_capacity)))
 
     def on_tokens(self, count: int, first_token_s, inter_token_s) -> None:
-        self.out.send(("obs", "on_tokens", (count, first_token_s, inter_token_s), None))
+        self.out.send(("obs", "on_tokens", (count, first_token_s, inter_token_s)))
 
     def on_finish(self, usage, reason) -> None:
-        self.out.send(("obs", "on_finish", (usage, reason), None))
+        self.out.send(("obs", "on_finish", (usage, reason)))
 
 
 class Worker:
@@ -148,7 +128,6 @@ class Worker:
     # -- operations --------------------------------------------------------------
 
     async def op_load(self, backend_name: str, config, model_dir: str) -> dict:
-        await _test_hook(self.model)
         from modeld.backends.registry import BackendRegistry
 
         backend = BackendRegistry([backend_name]).get(backend_name)
@@ -160,7 +139,7 @@ class Worker:
             raise LoadFailed(f"{type(exc).__name__}: {exc}") from exc
         generative = isinstance(self.loaded, GenerativeModel)
         if generative:
-            self.loaded.set_observer(_ForwardingObserver(self.out, self.loaded.loop))
+            self.loaded.set_observer(_ForwardingObserver(self.out))
         log.info("worker_model_loaded", model=self.model, backend=backend_name, nbytes=self.loaded.nbytes)
         return {"nbytes": self.loaded.nbytes, "inputs": self.loaded.inputs, "outputs": self.loaded.outputs,
                 "generative": generative}

@@ -20,7 +20,7 @@ from modeld.backends.errors import Unavailable
 from modeld.backends.model_config import Isolation
 from modeld.backends.registry import NATIVE_LLM_BACKENDS, REMOTE_BACKENDS
 from modeld.server.workers.backoff import RestartBackoff
-from modeld.server.workers.proxy import WorkerCrashedOnLoad, load_in_worker
+from modeld.server.workers.stand_in import WorkerCrashedOnLoad, load_in_worker
 
 log = structlog.get_logger("modeld.workers")
 

@@ -300,16 +300,28 @@ def test_a_worker_killed_between_batches_fails_its_calls_in_flight(daemon, clien
     assert _health(daemon, "") == health_pb2.HealthCheckResponse.SERVING
 
 
+# On this PYTHONPATH the daemon and its workers load tests/worker_faults: its
+# onnx backend fails a load as the model folder's FAULT file says.
+FAULTS = Path(__file__).resolve().parents[1] / "worker_faults"
+
+
+def _faulty_model(root: Path, name: str, fault: str) -> dict:
+    """A model whose worker fails its load with `fault`, and the daemon's
+    environment that makes it so."""
+    (root / name).mkdir()
+    (root / name / "model.onnx").write_bytes(onnx_fixtures.double_int64())
+    (root / name / "model.toml").write_text('format = "onnx"\nbackends = ["onnx"]\nisolation = "process"\n')
+    (root / name / "FAULT").write_text(fault)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, (str(FAULTS), os.environ.get("PYTHONPATH"))))}
+
+
 def test_a_crash_loop_backs_off(tmp_path):
-    """A worker that aborts while loading (the test-only hook stands in for
+    """A worker that aborts while loading (tests/worker_faults stands in for
     a runtime that crashes on a bad file): each load fails naming the
     signal, and the wait before the next start grows."""
-    (tmp_path / "crashy").mkdir()
-    (tmp_path / "crashy" / "model.onnx").write_bytes(onnx_fixtures.double_int64())
-    (tmp_path / "crashy" / "model.toml").write_text('format = "onnx"\nbackends = ["onnx"]\nisolation = "process"\n')
+    env = _faulty_model(tmp_path, "crashy", "abort")
     daemon = start_daemon("--no-preload", repository=tmp_path, env={
-        "MODELD_WORKER_TEST_ON_LOAD": "crashy:abort", "MODELD_WORKER_RESTART_BACKOFF_S": "0.5",
-        "MODELD_WORKER_RESTART_BACKOFF_MAX_S": "4"})
+        **env, "MODELD_WORKER_RESTART_BACKOFF_S": "0.5", "MODELD_WORKER_RESTART_BACKOFF_MAX_S": "4"})
     try:
         with Client(daemon.address, timeout=60) as c:
             x = {"x": np.array([[1, 2, 3]], np.int64)}
@@ -337,11 +349,8 @@ def test_a_crash_loop_backs_off(tmp_path):
 
 
 def test_a_worker_that_hangs_while_loading_is_killed(tmp_path):
-    (tmp_path / "stuck").mkdir()
-    (tmp_path / "stuck" / "model.onnx").write_bytes(onnx_fixtures.double_int64())
-    (tmp_path / "stuck" / "model.toml").write_text('format = "onnx"\nbackends = ["onnx"]\nisolation = "process"\n')
-    daemon = start_daemon("--no-preload", repository=tmp_path, env={
-        "MODELD_WORKER_TEST_ON_LOAD": "stuck:hang", "MODELD_WORKER_LOAD_TIMEOUT_S": "3"})
+    env = _faulty_model(tmp_path, "stuck", "hang")
+    daemon = start_daemon("--no-preload", repository=tmp_path, env={**env, "MODELD_WORKER_LOAD_TIMEOUT_S": "3"})
     try:
         with Client(daemon.address, timeout=60) as c:
             started = time.monotonic()

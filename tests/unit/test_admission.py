@@ -11,13 +11,14 @@ from modeld.backends.errors import InvalidArgument
 from modeld.backends.generation.interface import SeqResult
 from modeld.backends.generation.paged_scheduler import PagedConfig, PagedScheduler
 from modeld.backends.generation.params import FinishReason, SamplingParams
-from modeld.backends.generation.scheduler import Admission, Scheduler, SchedulerConfig
+from modeld.backends.generation.scheduler import Admission
+from modeld.backends.generation.slot_scheduler import SlotConfig, SlotScheduler
 from modeld.backends.generation.sequence import Sequence
 from modeld.backends.options import parse_options
 
 
-def _slots(admission: Admission) -> Scheduler:
-    return Scheduler(SchedulerConfig(num_slots=8, kv_capacity=512, context_length=64, max_step_tokens=64,
+def _slots(admission: Admission) -> SlotScheduler:
+    return SlotScheduler(SlotConfig(num_slots=8, kv_capacity=512, context_length=64, max_step_tokens=64,
                                      admission=admission))
 
 
@@ -99,7 +100,7 @@ def test_the_policy_is_a_checked_option():
 
 
 def test_prompt_tokens_per_step_are_capped_and_decodes_are_not_counted():
-    scheduler = Scheduler(SchedulerConfig(num_slots=8, kv_capacity=512, context_length=64, max_step_tokens=64,
+    scheduler = SlotScheduler(SlotConfig(num_slots=8, kv_capacity=512, context_length=64, max_step_tokens=64,
                                           max_prefill_tokens=8))
     running = _seq(n=3, max_tokens=10)
     scheduler.add(running)

@@ -20,7 +20,7 @@ from modeld.backends.generation.paged_scheduler import PagedConfig, PagedSchedul
 from modeld.backends.generation.params import (
     FinalEvent, FinishReason, GenerateRequest, SamplingParams, SpeculativeMode,
 )
-from modeld.backends.generation.scheduler import Scheduler, SchedulerConfig
+from modeld.backends.generation.slot_scheduler import SlotConfig, SlotScheduler
 from polling import wait_until_async
 
 VOCAB = 32
@@ -78,7 +78,7 @@ class CountingDraft(DraftModel):
 
 def _schedulers():
     return {
-        "slots": Scheduler(SchedulerConfig(num_slots=4, kv_capacity=1024, context_length=256)),
+        "slots": SlotScheduler(SlotConfig(num_slots=4, kv_capacity=1024, context_length=256)),
         "paged": PagedScheduler(PagedConfig(num_blocks=64, block_size=4, context_length=256)),
     }
 

@@ -104,11 +104,11 @@ def test_both_schedulers_refuse_what_cannot_fit_and_bound_the_queue():
     import pytest
 
     from modeld.backends.errors import InvalidArgument, ResourceExhausted
-    from modeld.backends.generation.scheduler import Scheduler, SchedulerConfig
+    from modeld.backends.generation.slot_scheduler import SlotConfig, SlotScheduler
 
     schedulers = [
         PagedScheduler(PagedConfig(num_blocks=64, block_size=4, context_length=32, max_waiting=2)),
-        Scheduler(SchedulerConfig(num_slots=4, kv_capacity=256, context_length=32, max_waiting=2)),
+        SlotScheduler(SlotConfig(num_slots=4, kv_capacity=256, context_length=32, max_waiting=2)),
     ]
     for scheduler in schedulers:
         with pytest.raises(InvalidArgument, match="plus max_tokens 30 is 40, beyond the context window of 32"):

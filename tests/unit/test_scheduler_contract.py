@@ -11,15 +11,15 @@ from modeld.backends.errors import ErrorKind, InvalidArgument
 from modeld.backends.generation.interface import PagedWork, SeqResult, SlotWork, StepPlan
 from modeld.backends.generation.paged_scheduler import PagedConfig, PagedScheduler
 from modeld.backends.generation.params import FinishReason, GenerateRequest, SamplingParams, queue_rank
-from modeld.backends.generation.scheduler import Scheduler, SchedulerConfig
+from modeld.backends.generation.slot_scheduler import SlotConfig, SlotScheduler
 from modeld.backends.generation.sequence import Sequence, SeqStatus
 from modeld.backends.generation.slots import KvOp, KvOpKind
 
 BLOCK = 4
 
 
-def _slots(**overrides) -> Scheduler:
-    return Scheduler(SchedulerConfig(**{"num_slots": 4, "kv_capacity": 256, "context_length": 64,
+def _slots(**overrides) -> SlotScheduler:
+    return SlotScheduler(SlotConfig(**{"num_slots": 4, "kv_capacity": 256, "context_length": 64,
                                         "max_step_tokens": 64, **overrides}))
 
 

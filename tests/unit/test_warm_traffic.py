@@ -10,20 +10,20 @@ import pytest
 
 from modeld.backends.generation.interface import SeqResult
 from modeld.backends.generation.params import FinishReason, SamplingParams
-from modeld.backends.generation.scheduler import Scheduler, SchedulerConfig
+from modeld.backends.generation.slot_scheduler import SlotConfig, SlotScheduler
 from modeld.backends.generation.sequence import Sequence
 from modeld.backends.generation.slots import slot_runs
 
 
-def _scheduler() -> Scheduler:
-    return Scheduler(SchedulerConfig(num_slots=8, kv_capacity=16384, context_length=2048))
+def _scheduler() -> SlotScheduler:
+    return SlotScheduler(SlotConfig(num_slots=8, kv_capacity=16384, context_length=2048))
 
 
 def _prompt(i: int) -> list[int]:
     return [1000 + i, 2000 + i, 3000 + i, 7, 8, 9]  # no two share a first token
 
 
-def _run(scheduler: Scheduler, seqs: list[Sequence]) -> list[list[int]]:
+def _run(scheduler: SlotScheduler, seqs: list[Sequence]) -> list[list[int]]:
     """Greedy-like fake results until every sequence ends; the slots each step decoded."""
     for seq in seqs:
         scheduler.add(seq)
@@ -41,7 +41,7 @@ def _run(scheduler: Scheduler, seqs: list[Sequence]) -> list[list[int]]:
     return steps
 
 
-def _serve_unrelated(scheduler: Scheduler, count: int = 6) -> None:
+def _serve_unrelated(scheduler: SlotScheduler, count: int = 6) -> None:
     for i in range(count):
         _run(scheduler, [Sequence(_prompt(i), SamplingParams(max_tokens=32))])
 

@@ -13,7 +13,7 @@ from modeld.backends.generation.params import FinalEvent, FinishReason, TokenEve
 from modeld.server.workers.backoff import RestartBackoff
 from modeld.server.workers.frames import FrameError, FrameProtocol, connect, decode_bytes, encode, encode_bytes
 from modeld.server.workers.main import error_reply
-from modeld.server.workers.proxy import _remote_error, describe_exit
+from modeld.server.workers.stand_in import _remote_error, describe_exit
 from polling import wait_until_async
 
 

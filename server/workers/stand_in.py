@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
@@ -78,7 +76,7 @@ class WorkerProcess:
         self.death: Unavailable | None = None  # set once the worker is gone
         self.exiting = False  # we asked it to end: its end is no death
         self.on_death: Callable[[str], None] | None = None
-        self.on_observe: Callable[[str, tuple, tuple | None], None] | None = None
+        self.on_observe: Callable[[str, tuple], None] | None = None
         self._ended_task: asyncio.Task | None = None
 
     @classmethod
@@ -176,7 +174,7 @@ class WorkerProcess:
                 queue.put_nowait(message[2])
         elif kind == "obs" and self.on_observe is not None:
             try:
-                self.on_observe(message[1], message[2], message[3])
+                self.on_observe(message[1], message[2])
             except Exception:  # noqa: BLE001 - statistics must never stop the channel
                 log.exception("worker_observer_failed", model=self.model)
 
@@ -295,57 +293,19 @@ class WorkerTensorModel(_WorkerModelMixin, LoadedModel):
         return await self.worker.call("execute", inputs, output_names, urgent=True)
 
 
-class _SchedulerMirror:
-    """The worker's scheduler as its last step report saw it (for tests and stats)."""
-
-    def __init__(self) -> None:
-        self.num_running = 0
-        self.num_waiting = 0
-
-    @property
-    def running(self) -> list[None]:
-        return [None] * self.num_running
-
-    @property
-    def waiting(self) -> list[None]:
-        return [None] * self.num_waiting
-
-
-@dataclass
-class StepCountsMirror:
-    """The worker loop's StepCounts, as of its last step report (the same
-    fields: the conformance suite reads them through `loop.step_counts`)."""
-
-    steps: int = 0
-    shared_steps: int = 0
-    most_sequences: int = 0
-
-
-@dataclass
-class _LoopMirror:
-    step_counts: StepCountsMirror
-    observer: object = None
-
-
 class WorkerGenerativeModel(_WorkerModelMixin, GenerativeModel):
     def __init__(self, worker: WorkerProcess, info: dict) -> None:
         self._init_worker(worker, info)
-        self.loop = _LoopMirror(StepCountsMirror())
-        self.scheduler = _SchedulerMirror()
-        self.runner = None
+        self.loop = self.runner = None  # both live in the worker: the methods below ask it
+        self.observer = None  # where the worker loop's figures go (the engine's metrics)
         worker.on_observe = self._observe
 
-    def _observe(self, method: str, args: tuple, counts: tuple | None) -> None:
-        if method == "on_step":
-            self.scheduler.num_running, self.scheduler.num_waiting = args[0], args[1]
-            c = self.loop.step_counts
-            c.steps, c.shared_steps, c.most_sequences = counts
-        observer = self.loop.observer
-        if observer is not None:
-            getattr(observer, method)(*args)
+    def _observe(self, method: str, args: tuple) -> None:
+        if self.observer is not None:
+            getattr(self.observer, method)(*args)
 
     def set_observer(self, observer) -> None:
-        self.loop.observer = observer
+        self.observer = observer
 
     async def start(self) -> None:
         await self.worker.call("start")
