@@ -137,40 +137,39 @@ def main(argv: list[str] | None = None) -> int:
 def serve(args) -> int:
     from modeld.server.app import Daemon
     from modeld.server.config import ConfigError, load_settings
-    from modeld.server.logging import configure_logging
 
     flags = {k: getattr(args, k) for k in ("model_repository", "host", "grpc_port", "http_port", "metrics_port",
                                            "memory_budget", "lazy_load", "preload", "log_format", "max_streams")}
     flags.update({k: getattr(args, k) for k in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")})
     flags["isolation"] = args.isolation
-    try:
-        settings = load_settings(flags, config_file=args.config)
-    except ConfigError as exc:
-        print(f"modeld: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(settings.log_level, settings.log_format)
-    print(f"modeld: {settings.describe()}", file=sys.stderr, flush=True)
-    asyncio.run(Daemon(settings).run_until_signalled())
-    return 0
+    return _run_until_signalled(lambda: load_settings(flags, config_file=args.config), ConfigError, Daemon)
 
 
 def gateway(args) -> int:
     from modeld.server.gateway.app import Gateway
     from modeld.server.gateway.config import GatewayConfigError, load_gateway_settings
-    from modeld.server.logging import configure_logging
 
     flags = {"nodes": args.node, **{k: getattr(args, k) for k in ("dns", "host", "grpc_port", "metrics_port",
                                                                    "replicas", "log_format", "node_tls_ca",
                                                                    "node_tls_cert", "node_tls_key",
                                                                    "node_tls_server_name", "node_token_file")}}
+    return _run_until_signalled(lambda: load_gateway_settings(flags, config_file=args.config),
+                                GatewayConfigError, Gateway)
+
+
+def _run_until_signalled(load_settings, config_error: type[Exception], server) -> int:
+    """Settings first (a bad one exits 2 with its reason), then logging, then
+    the daemon or gateway until a signal ends it."""
+    from modeld.server.logging import configure_logging
+
     try:
-        settings = load_gateway_settings(flags, config_file=args.config)
-    except GatewayConfigError as exc:
+        settings = load_settings()
+    except config_error as exc:
         print(f"modeld: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format)
     print(f"modeld: {settings.describe()}", file=sys.stderr, flush=True)
-    asyncio.run(Gateway(settings).run_until_signalled())
+    asyncio.run(server(settings).run_until_signalled())
     return 0
 
 

@@ -109,9 +109,6 @@ class BlockManager:
 
     # -- allocation ------------------------------------------------------------
 
-    def can_grow(self, seq_id: int, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) - len(self.tables.get(seq_id, ())) <= self.num_free
-
     def grow(self, seq_id: int, num_tokens: int) -> bool:
         """Make the table cover num_tokens positions; False (nothing taken) if it can't."""
         table = self.tables.setdefault(seq_id, [])

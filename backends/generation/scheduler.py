@@ -43,8 +43,6 @@ class Admission:
     batch: int = 8
     window_s: float = 0.05
 
-    POLICIES = ("continuous", "dynamic", "static")
-
 
 CONTINUOUS = Admission()
 

@@ -60,16 +60,8 @@ class Sequence:
         return len(self.token_ids) - len(self.prompt_ids)
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_ids):]
-
-    @property
     def is_prefilling(self) -> bool:
         return self.num_computed < len(self.token_ids) - 1
-
-    @property
-    def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
 
     @property
     def num_reserved(self) -> int:

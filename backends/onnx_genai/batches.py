@@ -139,10 +139,3 @@ class BatchScheduler:
         seq.status = SeqStatus.FINISHED
         self.running.remove(seq)
         self.batches[seq.slot].sequences.remove(seq)
-
-    def leave_batch(self, index: int) -> list[Sequence]:
-        """The batch's engine failed: every sequence in it is over."""
-        gone = list(self.batches[index].sequences)
-        for seq in gone:
-            self.leave(seq)
-        return gone
