@@ -54,6 +54,13 @@ class DeadlineExceeded(ModeldError):
     kind = ErrorKind.DEADLINE_EXCEEDED
 
 
+class FailedPrecondition(ModeldError):
+    """The daemon is not in a state to serve the call, and the caller cannot
+    change that: an operator must (a remote engine refusing modeld's key)."""
+
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
 class LoadFailed(ModeldError):
     """A backend could not load a model; the engine may try the next one."""
 
@@ -70,14 +77,12 @@ class BackendFailure(ModeldError):
     kind = ErrorKind.INTERNAL
 
 
-_BY_KIND = {cls.kind: cls for cls in (InvalidArgument, NotFound, Unavailable, ResourceExhausted, Unimplemented,
-                                      Cancelled, DeadlineExceeded)}
+_BY_KIND = {cls.kind: cls for cls in (ModeldError, InvalidArgument, NotFound, Unavailable, ResourceExhausted,
+                                      Unimplemented, Cancelled, DeadlineExceeded, FailedPrecondition)}
+assert set(_BY_KIND) == set(ErrorKind), "every ErrorKind needs its class"
 
 
 def error_for(kind: ErrorKind | None, message: str) -> ModeldError:
     """The error of a kind reported as data (a generation's final event, a
     worker's reply), so it reaches the client with its own status."""
-    error = _BY_KIND.get(kind, ModeldError)(message)
-    if kind is not None and kind not in _BY_KIND:
-        error.kind = kind  # FAILED_PRECONDITION, INTERNAL: no class of their own
-    return error
+    return _BY_KIND.get(kind, ModeldError)(message)

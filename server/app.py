@@ -20,6 +20,7 @@ from modeld.backends.registry import BackendRegistry
 from modeld.backends.sizes import format_size
 from modeld.gen import generation_pb2, generation_pb2_grpc, inference_pb2, inference_pb2_grpc, node_pb2, node_pb2_grpc
 from modeld.server.config import Settings
+from modeld.server.dataplane import DataPlane
 from modeld.server.engine import Engine
 from modeld.server.lifecycle import Lifecycle
 from modeld.server.memory import MemoryManager
@@ -88,6 +89,9 @@ class Daemon:
             settings.health_policy(), max_streams=settings.max_streams,
         )
         self.engine.use_workers(settings.worker_policy())
+        # what every front (gRPC and HTTP) asks of the engine
+        self.plane = DataPlane(self.engine, self.lifecycle,
+                               max_request_bytes=settings.max_request_bytes or settings.max_message_bytes)
         self.health = health.aio.HealthServicer()
         self.engine.add_listener(self._on_model_state)
         self.server: grpc.aio.Server | None = None
@@ -124,13 +128,10 @@ class Daemon:
         self.server = grpc.aio.server(options=options, interceptors=interceptors or None)
         # every handler registered through it parses its own request: bytes
         # that are no valid message are INVALID_ARGUMENT, not grpc's UNKNOWN
-        parsing = ParsingServer(self.server, lambda: self.engine.count_failure("", ErrorKind.INVALID_ARGUMENT))
-        request_cap = s.max_request_bytes or s.max_message_bytes
-        inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            InferenceService(self.engine, self.lifecycle, max_request_bytes=request_cap), parsing)
-        generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationService(self.engine, self.lifecycle, max_request_bytes=request_cap), parsing)
-        node_pb2_grpc.add_NodeServicer_to_server(NodeService(self.engine, self.lifecycle), parsing)
+        parsing = ParsingServer(self.server, lambda: self.plane.count_failure("", ErrorKind.INVALID_ARGUMENT))
+        inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(self.plane), parsing)
+        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(self.plane), parsing)
+        node_pb2_grpc.add_NodeServicer_to_server(NodeService(self.plane), parsing)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, parsing)
         reflection.enable_server_reflection(
             [inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
@@ -173,7 +174,7 @@ class Daemon:
 
         sock = _listen(s.host, s.http_port)
         config = uvicorn.Config(
-            build_app(self.engine, self.lifecycle, s.max_message_bytes, authenticator=self.auth),
+            build_app(self.plane, s.max_message_bytes, authenticator=self.auth),
             log_config=None, lifespan="off", access_log=False, server_header=False,
             timeout_graceful_shutdown=s.shutdown_grace_s,
             # longer than clients and balancers keep idle connections (aiohttp

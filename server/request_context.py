@@ -8,10 +8,12 @@ from __future__ import annotations
 import contextvars
 import re
 import uuid
+from typing import Iterable
 
 import structlog
 
 REQUEST_ID_HEADER = "x-request-id"
+_HEADER_BYTES = REQUEST_ID_HEADER.encode()
 # what a proxy or client typically sends (UUIDs, trace ids); anything else
 # could forge log lines, so a fresh id replaces it
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -28,9 +30,19 @@ def usable_client_id(value: object) -> str | None:
     return value if isinstance(value, str) and _CLIENT_ID.fullmatch(value) else None
 
 
-def begin_call(client_id: object, protocol: str) -> str:
-    """Take the client's id when usable, else make one; bind it to the logs."""
-    request_id = usable_client_id(client_id) or new_request_id()
+def client_request_id(metadata: Iterable[tuple[str | bytes, str | bytes]] | None) -> str | None:
+    """The client's x-request-id among a call's metadata: gRPC's invocation
+    metadata (str pairs) or an ASGI scope's headers (bytes pairs, lower-case)."""
+    for key, value in metadata or ():
+        if key == REQUEST_ID_HEADER or key == _HEADER_BYTES:
+            return value.decode("latin-1") if isinstance(value, bytes) else value
+    return None
+
+
+def begin_call(metadata: Iterable[tuple[str | bytes, str | bytes]] | None, protocol: str) -> str:
+    """Take the client's id from the call's metadata when usable, else make
+    one; bind it to the logs."""
+    request_id = usable_client_id(client_request_id(metadata)) or new_request_id()
     _request_id.set(request_id)
     _protocol.set(protocol)
     structlog.contextvars.bind_contextvars(request_id=request_id)
@@ -43,3 +55,8 @@ def current_request_id() -> str:
 
 def current_protocol() -> str:
     return _protocol.get()
+
+
+def internal_message(request_id: str | None = None) -> str:
+    """What a client is told of a bug: where to look, and nothing of the bug."""
+    return f"internal error (request id {request_id or current_request_id()}); see the daemon log"

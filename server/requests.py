@@ -21,7 +21,6 @@ class InferRequest:
     output_names: tuple[str, ...] = ()  # empty: every output
     parameters: dict[str, Any] = field(default_factory=dict)
     required: frozenset[Capability] = frozenset({Capability.TENSOR_INFERENCE})
-    request_id: str = ""  # the call's id (x-request-id), for logs
     priority: int = 0  # Triton's levels: 1 first, larger later, 0 the default (after every level)
     timeout_s: float | None = None  # KServe's `timeout` parameter, or the call's gRPC deadline if sooner
     # when timeout_s runs out, on time.monotonic(); set from timeout_s at

@@ -46,7 +46,7 @@ def parameter_value(param) -> object:
     return getattr(param, kind) if kind else None
 
 
-def request_from_proto(msg: pb.ModelInferRequest, request_id: str = "") -> InferRequest:
+def request_from_proto(msg: pb.ModelInferRequest) -> InferRequest:
     # Tensors in a shared-memory region carry no contents here: the request
     # is refused as UNIMPLEMENTED by the engine, never misread as empty input.
     in_shared_memory = any("shared_memory_region" in t.parameters for t in msg.inputs)
@@ -81,7 +81,7 @@ def request_from_proto(msg: pb.ModelInferRequest, request_id: str = "") -> Infer
     return InferRequest(
         model_name=msg.model_name, model_version=msg.model_version, id=msg.id, inputs=inputs,
         output_names=tuple(outputs), parameters=parameters, required=frozenset(required),
-        request_id=request_id, priority=priority_of(parameters), timeout_s=timeout_of(parameters),
+        priority=priority_of(parameters), timeout_s=timeout_of(parameters),
     )
 
 

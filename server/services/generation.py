@@ -7,10 +7,9 @@ from modeld.backends.generation.params import (
 )
 from modeld.gen import generation_pb2 as pb
 from modeld.gen import generation_pb2_grpc as pb_grpc
-from modeld.server.engine import Engine
-from modeld.server.lifecycle import Lifecycle
 from modeld.backends.errors import InvalidArgument
-from modeld.server.services.limits import call_timeout_s, check_request_size
+from modeld.server.dataplane import DataPlane
+from modeld.server.services.limits import call_timeout_s
 from modeld.server.services.parsing import request_nbytes
 from modeld.server.services.status import current_request_id, grpc_errors
 
@@ -74,10 +73,8 @@ def event_to_proto(event: TokenEvent | FinalEvent) -> pb.GenerateResponse:
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, lifecycle: Lifecycle, max_request_bytes: int | None = None) -> None:
-        self.engine = engine
-        self.lifecycle = lifecycle
-        self.max_request_bytes = max_request_bytes  # a model's cap unless its [limits] sets one
+    def __init__(self, plane: DataPlane) -> None:
+        self.plane = plane
 
     @grpc_errors
     async def Generate(self, request, context):
@@ -86,16 +83,16 @@ class GenerationService(pb_grpc.GenerationServicer):
         # KV at the loop's next step. The call's deadline is the generation's
         # timeout, so a sequence past it leaves the batch the same way.
         timeout_s = call_timeout_s(context)
-        check_request_size(self.engine, request.model, request_nbytes(), self.max_request_bytes)
-        async for event in self.engine.generate(request_from_proto(request), timeout_s):
+        self.plane.check_request_size(request.model, request_nbytes())
+        async for event in self.plane.generate(request_from_proto(request), timeout_s):
             yield event_to_proto(event)
 
     @grpc_errors
     async def Tokenize(self, request, context):
-        check_request_size(self.engine, request.model, request_nbytes(), self.max_request_bytes)
-        return pb.TokenizeResponse(token_ids=await self.engine.tokenize(request.model, request.text))
+        self.plane.check_request_size(request.model, request_nbytes())
+        return pb.TokenizeResponse(token_ids=await self.plane.tokenize(request.model, request.text))
 
     @grpc_errors
     async def Detokenize(self, request, context):
-        check_request_size(self.engine, request.model, request_nbytes(), self.max_request_bytes)
-        return pb.DetokenizeResponse(text=await self.engine.detokenize(request.model, list(request.token_ids)))
+        self.plane.check_request_size(request.model, request_nbytes())
+        return pb.DetokenizeResponse(text=await self.plane.detokenize(request.model, list(request.token_ids)))

@@ -17,7 +17,9 @@ from modeld.backends.generation.params import (
     FinalEvent, GenerateRequest, SamplingParams, SpeculativeMode, TokenEvent, Usage,
 )
 from modeld.gen import inference_pb2 as pb
+from modeld.server.dataplane import MODEL_VERSION, DataPlane
 from modeld.server.services.convert import decode_tensor, encode_bytes, parameter_value, priority_of, timeout_of
+from modeld.server.services.limits import sooner
 
 _NUMERIC = {"max_tokens": int, "top_k": int, "seed": int, "logprobs": int, "num_speculative_tokens": int,
             "temperature": float, "top_p": float, "min_p": float}
@@ -86,7 +88,7 @@ def text_response(msg: pb.ModelInferRequest, text: str | None, final: FinalEvent
                   tokens: list[TokenEvent] = ()) -> pb.ModelInferResponse:
     """One response: a text chunk (or none), the logprobs of the tokens in
     it when asked, and usage when it is the last."""
-    response = pb.ModelInferResponse(model_name=msg.model_name, model_version="1", id=msg.id)
+    response = pb.ModelInferResponse(model_name=msg.model_name, model_version=MODEL_VERSION, id=msg.id)
     if text is not None:
         response.outputs.add(name="text_output", datatype="BYTES", shape=[1])
         response.raw_output_contents.append(encode_bytes(np.array([text.encode("utf-8")], dtype=object)))
@@ -116,15 +118,14 @@ def add_usage(response: pb.ModelInferResponse, usage: Usage) -> None:
     response.parameters["time_to_first_token_s"].double_param = usage.time_to_first_token_s
 
 
-async def complete_text(engine, msg: pb.ModelInferRequest, request_id: str,
+async def complete_text(plane: DataPlane, msg: pb.ModelInferRequest, request_id: str,
                         call_timeout_s: float | None = None) -> pb.ModelInferResponse:
     """The whole completion in one response (ModelInfer on gRPC and REST); a
-    generation that fails raises its own error from the engine."""
+    generation that fails raises its own error from the engine. The call's
+    own deadline (gRPC) bounds it where that is sooner."""
     chunks, tokens, final = [], [], None
     generation, timeout_s = text_request(msg, request_id)
-    if call_timeout_s is not None:  # the call's own deadline (gRPC), where it is sooner
-        timeout_s = call_timeout_s if timeout_s is None else min(timeout_s, call_timeout_s)
-    async for event in engine.generate(generation, timeout_s):
+    async for event in plane.generate(generation, sooner(timeout_s, call_timeout_s)):
         if isinstance(event, FinalEvent):
             final = event
         else:

@@ -1,9 +1,10 @@
 """modeld.v1.Node: this daemon's load, as a gateway reads it to route calls.
 
-Every figure is read from where the engine already keeps it, at the moment
-of the call; nothing here counts anything. Stats and WatchStats answer while
-the daemon drains (with `draining` set): that is the news a gateway needs,
-so unlike the other services they do not refuse calls then.
+Every figure is read from the data plane (which reads where the engine
+keeps it) at the moment of the call; nothing here counts anything. Stats
+and WatchStats answer while the daemon drains (with `draining` set): that
+is the news a gateway needs, so unlike the other services they do not
+refuse calls then.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import structlog
 
 from modeld.gen import node_pb2 as pb
 from modeld.gen import node_pb2_grpc as pb_grpc
-from modeld.server.engine import Engine, ServedModel
-from modeld.server.lifecycle import Lifecycle
-from modeld.server.requests import ModelStatus
+from modeld.server.dataplane import DataPlane, ModelLoad
+from modeld.server.request_context import internal_message
+from modeld.server.services.status import begin_grpc_call
 
 log = structlog.get_logger("modeld.node")
 
@@ -31,53 +32,54 @@ _DRAIN_POLL_S = 0.1
 
 
 class NodeService(pb_grpc.NodeServicer):
-    def __init__(self, engine: Engine, lifecycle: Lifecycle) -> None:
-        self.engine = engine
-        self.lifecycle = lifecycle
+    def __init__(self, plane: DataPlane) -> None:
+        self.plane = plane
         self.node_id = socket.gethostname()
         self._started = time.monotonic()
 
     async def Stats(self, request, context):
+        begin_grpc_call(context)  # the id a bug's message names is on its log line
         try:
             return self.snapshot()
         except Exception:  # a bug: say so and keep serving
             log.exception("node_stats_bug")
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error while reading node stats; see the daemon log")
+            await context.abort(grpc.StatusCode.INTERNAL, internal_message())
 
     async def WatchStats(self, request, context):
         """A snapshot now, then one per interval; a last one with `draining`
         set when the daemon starts to drain, then the stream ends (OK), so
         it never holds up the shutdown."""
+        begin_grpc_call(context)
         interval_s = watch_interval_s(request.interval_ms)
         try:
             while True:
                 yield self.snapshot()
-                if self.lifecycle.is_draining:
+                if self.plane.is_draining:
                     return
                 await self._sleep_unless_draining(interval_s)
         except Exception:  # a bug: say so and keep serving (cancellation is BaseException, not caught)
             log.exception("node_watch_bug")
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error while reading node stats; see the daemon log")
+            await context.abort(grpc.StatusCode.INTERNAL, internal_message())
 
     async def _sleep_unless_draining(self, interval_s: float) -> None:
         wake_at = time.monotonic() + interval_s
-        while not self.lifecycle.is_draining:
+        while not self.plane.is_draining:
             left = wake_at - time.monotonic()
             if left <= 0:
                 return
             await asyncio.sleep(min(left, _DRAIN_POLL_S))
 
     def snapshot(self) -> pb.NodeStats:
-        engine = self.engine
-        held = _bytes_by_model(engine)
-        models = [self._model_load(status, held.get(status.name, 0)) for status in engine.statuses()]
+        plane = self.plane
+        models = [_model_load(load) for load in plane.model_loads()]
+        memory = plane.memory()
         gpu_used, gpu_total = gpu_memory()
         return pb.NodeStats(
             node_id=self.node_id,
             models=models,
-            memory_used_bytes=engine.memory.used,
-            memory_budget_bytes=engine.memory.budget,
-            daemon_memory_bytes=engine.memory.daemon_bytes,
+            memory_used_bytes=memory.used_bytes,
+            memory_budget_bytes=memory.budget_bytes,
+            daemon_memory_bytes=memory.daemon_bytes,
             in_flight=sum(m.in_flight for m in models),
             queue_depth=sum(m.queue_depth for m in models),
             kv_cells_used=sum(m.kv_cells_used for m in models),
@@ -85,28 +87,28 @@ class NodeService(pb_grpc.NodeServicer):
             uptime_s=time.monotonic() - self._started,
             gpu_memory_used_bytes=gpu_used,
             gpu_memory_total_bytes=gpu_total,
-            draining=self.lifecycle.is_draining,
+            draining=plane.is_draining,
             unhealthy_backends=[pb.UnhealthyBackend(name=b.name, reason=b.reason, retry_in_s=b.retry_in_s)
-                                for b in engine.unhealthy_backends()],
+                                for b in plane.unhealthy_backends()],
         )
 
-    def _model_load(self, status: ModelStatus, memory_bytes: int) -> pb.ModelLoad:
-        stats = self.engine.stats(status.name)
-        served = self.engine.served(status.name)
-        load = pb.ModelLoad(
-            name=status.name,
-            backend=status.backend,
-            state=status.state.value,
-            memory_bytes=memory_bytes,
-            in_flight=stats.num_in_flight,
-            p99_latency_s=stats.recent_latency.quantile(0.99),
-            p95_latency_s=stats.recent_latency.quantile(0.95),
-            request_count=stats.num_requests,
-            failure_count=stats.num_server_failures,
-        )
-        if served is not None:
-            _fill_queue(load, served)
-        return load
+
+def _model_load(load: ModelLoad) -> pb.ModelLoad:
+    status, stats = load.status, load.stats
+    return pb.ModelLoad(
+        name=status.name,
+        backend=status.backend,
+        state=status.state.value,
+        memory_bytes=load.memory_bytes,
+        in_flight=stats.num_in_flight,
+        p99_latency_s=stats.recent_latency.quantile(0.99),
+        p95_latency_s=stats.recent_latency.quantile(0.95),
+        request_count=stats.num_requests,
+        failure_count=stats.num_server_failures,
+        queue_depth=load.queue_depth,
+        kv_cells_used=load.kv_cells_used,
+        kv_cells_capacity=load.kv_cells_capacity,
+    )
 
 
 def watch_interval_s(interval_ms: int) -> float:
@@ -114,25 +116,6 @@ def watch_interval_s(interval_ms: int) -> float:
     if interval_ms == 0:
         return DEFAULT_INTERVAL_S
     return max(interval_ms / 1000, MIN_INTERVAL_S)
-
-
-def _bytes_by_model(engine: Engine) -> dict[str, int]:
-    """What the budget holds per model name, summed over its backends; a
-    model being loaded holds its estimate here before it is served."""
-    held: dict[str, int] = {}
-    for key in engine.memory.keys_lru_first():
-        held[key.model] = held.get(key.model, 0) + engine.memory.entry(key).nbytes
-    return held
-
-
-def _fill_queue(load: pb.ModelLoad, served: ServedModel) -> None:
-    if served.batcher is not None:
-        load.queue_depth = served.batcher.num_waiting
-    elif served.generation is not None:
-        step = served.generation.latest
-        load.queue_depth = step.num_waiting
-        load.kv_cells_used = step.kv_used
-        load.kv_cells_capacity = step.kv_capacity
 
 
 def gpu_memory() -> tuple[int, int]:

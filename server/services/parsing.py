@@ -30,7 +30,8 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from modeld.backends.errors import ErrorKind, InvalidArgument
-from modeld.server.request_context import REQUEST_ID_HEADER, begin_call
+from modeld.server.request_context import REQUEST_ID_HEADER
+from modeld.server.services.status import begin_grpc_call
 
 log = structlog.get_logger("modeld.rpc")
 
@@ -152,18 +153,11 @@ class _GenericParsing(grpc.GenericRpcHandler):
 
 async def _refuse(context, exc: UndecodableRequest, on_invalid: OnInvalid) -> None:
     # the call never reached a servicer: give it an id and a count here
-    request_id = begin_call(_client_request_id(context), "grpc")
+    request_id = begin_grpc_call(context)
     log.info("rpc_failed", status=ErrorKind.INVALID_ARGUMENT.value, reason=str(exc))
     on_invalid()
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
                         trailing_metadata=((REQUEST_ID_HEADER, request_id),))
-
-
-def _client_request_id(context) -> str | None:
-    for key, value in context.invocation_metadata() or ():
-        if key == REQUEST_ID_HEADER:
-            return value
-    return None
 
 
 async def _parse_or_refuse(data: bytes, context, deserializer, on_invalid: OnInvalid):

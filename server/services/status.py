@@ -3,9 +3,10 @@
 Every servicer method is wrapped by `grpc_errors`: a ModeldError becomes its
 status with the message as written; anything else is a bug, logged with the
 request id and returned as INTERNAL. Each failure is counted in
-`modeld_request_failures_total` by model and status. The request id comes
-from the client's `x-request-id` metadata when it sends a usable one, else it
-is made here; it is bound to every log line of the call, readable by the
+`modeld_request_failures_total` by model and status (through the data
+plane). The request id comes from the client's `x-request-id` metadata when
+it sends a usable one (request_context.py reads it, for HTTP too), else it
+is made there; it is bound to every log line of the call, readable by the
 service through `current_request_id()`, and returned in the trailing metadata.
 """
 
@@ -18,22 +19,19 @@ import grpc
 import structlog
 
 from modeld.backends.errors import ErrorKind, ModeldError
-from modeld.server.request_context import (
-    REQUEST_ID_HEADER, begin_call, current_request_id, new_request_id,
-)
+from modeld.server.dataplane import DRAINING_MESSAGE, DataPlane
+from modeld.server.request_context import REQUEST_ID_HEADER, begin_call, current_request_id, internal_message
 
-__all__ = ["STATUS_BY_KIND", "count_failure", "current_request_id", "grpc_errors", "new_request_id"]
+__all__ = ["STATUS_BY_KIND", "begin_grpc_call", "count_failure", "current_request_id", "grpc_errors"]
 
 log = structlog.get_logger("modeld.rpc")
 
 STATUS_BY_KIND = {kind: getattr(grpc.StatusCode, kind.value) for kind in ErrorKind}
 
 
-def request_id_of(context) -> str | None:
-    for key, value in context.invocation_metadata() or ():
-        if key == REQUEST_ID_HEADER:
-            return value
-    return None
+def begin_grpc_call(context) -> str:
+    """The call's request id (the client's x-request-id when usable), bound to its logs."""
+    return begin_call(context.invocation_metadata(), "grpc")
 
 
 def model_of(request) -> str:
@@ -46,15 +44,15 @@ def model_of(request) -> str:
 
 
 def count_failure(servicer, model: str, kind: ErrorKind) -> None:
-    engine = getattr(servicer, "engine", None)
-    if engine is not None:
-        engine.count_failure(model, kind)
+    plane: DataPlane | None = getattr(servicer, "plane", None)
+    if plane is not None:
+        plane.count_failure(model, kind)
 
 
 async def refuse_if_draining(servicer, context) -> None:
-    lifecycle = getattr(servicer, "lifecycle", None)
-    if lifecycle is not None and lifecycle.is_draining:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down; retry on another node")
+    plane: DataPlane | None = getattr(servicer, "plane", None)
+    if plane is not None and plane.is_draining:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
 
 
 def grpc_errors(method):
@@ -69,11 +67,10 @@ def grpc_errors(method):
             await context.abort(STATUS_BY_KIND[exc.kind], str(exc), trailing_metadata=trailer)
         log.exception("rpc_bug", rpc=name)
         count_failure(servicer, model_of(request), ErrorKind.INTERNAL)
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id}); see the daemon log",
-                            trailing_metadata=trailer)
+        await context.abort(grpc.StatusCode.INTERNAL, internal_message(request_id), trailing_metadata=trailer)
 
     def begin(context) -> str:
-        request_id = begin_call(request_id_of(context), "grpc")
+        request_id = begin_grpc_call(context)
         context.set_trailing_metadata(((REQUEST_ID_HEADER, request_id),))
         return request_id
 

@@ -49,9 +49,8 @@ def decode_response_output(response: pb.ModelInferResponse, index: int) -> np.nd
 
 def test_raw_fp32_is_decoded_with_its_shape():
     data = np.arange(6, dtype=np.float32).reshape(2, 3)
-    request = request_from_proto(raw_request(("x", "FP32", [2, 3], data.tobytes())), request_id="rid-1")
+    request = request_from_proto(raw_request(("x", "FP32", [2, 3], data.tobytes())))
     assert request.model_name == "m"
-    assert request.request_id == "rid-1"
     assert request.inputs["x"].dtype == np.float32
     np.testing.assert_array_equal(request.inputs["x"], data)
     assert request.required == frozenset({Capability.TENSOR_INFERENCE})

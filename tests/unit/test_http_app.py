@@ -12,9 +12,11 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from modeld.backends.errors import ErrorKind, InvalidArgument, ResourceExhausted, error_for
+from modeld.server.dataplane import DataPlane
 from modeld.server.http import app as http_app
-from modeld.server.http import kserve, openai
-from modeld.server.http.app import BodyTooLarge, RequestIdMiddleware, http_status_of, status_of_error
+from modeld.server.http import kserve, openai_api
+from modeld.server.http.app import RequestIdMiddleware
+from modeld.server.http.common import BodyTooLarge, http_status_of, status_of_error
 from modeld.server.lifecycle import Lifecycle
 from modeld.server.request_context import current_protocol, current_request_id
 
@@ -91,11 +93,12 @@ def test_build_app_mounts_both_fronts(monkeypatch):
     async def ping(request):
         return PlainTextResponse("pong")
 
-    monkeypatch.setattr(openai, "routes", lambda engine, lifecycle: [Route("/v1/ping", ping)])
-    app = http_app.build_app(engine=None, lifecycle=Lifecycle(), max_message_bytes=1024)
+    monkeypatch.setattr(openai_api, "routes", lambda plane: [Route("/v1/ping", ping)])
+    plane = DataPlane(engine=None, lifecycle=Lifecycle())
+    app = http_app.build_app(plane, max_message_bytes=1024)
     paths = {getattr(r, "path", None) for r in app.routes}
     assert "/v1/ping" in paths
-    assert {r.path for r in kserve.routes(None, Lifecycle())} <= paths
+    assert {r.path for r in kserve.routes(plane)} <= paths
     with TestClient(app) as client:
         assert client.get("/v1/ping").text == "pong"
         assert client.get("/v2/health/live").json() == {"live": True}

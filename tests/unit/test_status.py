@@ -7,6 +7,7 @@ import grpc
 import pytest
 
 from modeld.backends.errors import ErrorKind, InvalidArgument, NotFound, ResourceExhausted
+from modeld.server.dataplane import DataPlane
 from modeld.server.engine import Engine as RealEngine
 from modeld.server.metrics import Metrics
 from modeld.server.services.status import STATUS_BY_KIND, current_request_id, grpc_errors
@@ -48,6 +49,9 @@ class Engine:
     def served(self, name):
         return None
 
+    def is_known(self, name):
+        return name in self.repository.names()
+
     count_failure = RealEngine.count_failure
     _served: dict = {}
 
@@ -60,6 +64,7 @@ class Request:
 class Servicer:
     def __init__(self, outcome) -> None:
         self.engine, self.outcome, self.seen_ids = Engine(), outcome, []
+        self.plane = DataPlane(self.engine)
 
     @grpc_errors
     async def Unary(self, request, context):

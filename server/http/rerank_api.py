@@ -27,41 +27,41 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from modeld.backends.errors import ErrorKind
 from modeld.backends.model_config import (
     RERANK_DOCUMENTS, RERANK_INDICES, RERANK_QUERY, RERANK_SCORES, ModelKind,
 )
-from modeld.server.http.app import ClientGone, unless_client_leaves
-from modeld.server.http.openai import (
-    _IGNORED, FieldError, _bool, _check_fields, _int, _json_body, _model_name, _priority, _type_name, error_response,
+from modeld.server.dataplane import DataPlane
+from modeld.server.http.common import json_type_name, unless_client_leaves
+from modeld.server.http.openai_fields import (
+    IGNORED, FieldError, check_fields, get_bool, get_int, model_name, priority, takes_json_body,
 )
 from modeld.server.request_context import current_request_id
 from modeld.server.requests import InferRequest
 
-_FIELDS = {"model", "query", "documents", "top_n", "return_documents", "priority"} | _IGNORED
+_FIELDS = {"model", "query", "documents", "top_n", "return_documents", "priority"} | IGNORED
 
 
-def routes(engine) -> list[Route]:
-    async def rerank(request: Request) -> Response:
-        model = ""
-        try:
-            body = await _json_body(request)
-            model = _model_name(body)
-            _check_fields(body, _FIELDS, "/v1/rerank")
-            call = _RerankRequest(body)
-            served = await engine.ensure_loaded(model)
-            if served.config.kind is not ModelKind.RERANK:
-                raise FieldError("model", f"model {model!r} is not a rerank model (kind = \"rerank\" in its "
-                                          "model.toml); GET /v1/models lists the models")
-            result = await unless_client_leaves(request, engine.infer(call.infer_request(model)))
-        except ClientGone:
-            engine.count_failure(model, ErrorKind.CANCELLED)
-            return Response(status_code=499)  # nobody reads it; for the access log
-        except Exception as exc:  # noqa: BLE001 - every failure answers in OpenAI's shape
-            return error_response(exc, engine, model)
+def routes(plane: DataPlane) -> list[Route]:
+    return RerankApi(plane).routes()
+
+
+class RerankApi:
+    def __init__(self, plane: DataPlane) -> None:
+        self.plane = plane
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/rerank", self.rerank, methods=["POST"])]
+
+    @takes_json_body
+    async def rerank(self, request: Request, body: dict) -> Response:
+        model = model_name(body)
+        check_fields(body, _FIELDS, "/v1/rerank")
+        call = _RerankRequest(body)
+        if (await self.plane.model(model)).kind is not ModelKind.RERANK:
+            raise FieldError("model", f"model {model!r} is not a rerank model (kind = \"rerank\" in its "
+                                      "model.toml); GET /v1/models lists the models")
+        result = await unless_client_leaves(request, self.plane.infer(call.infer_request(model)))
         return JSONResponse(call.answer(model, result.outputs))
-
-    return [Route("/v1/rerank", rerank, methods=["POST"])]
 
 
 class _RerankRequest:
@@ -70,11 +70,11 @@ class _RerankRequest:
         if not isinstance(self.query, str) or not self.query:
             raise FieldError("query", "query must be a non-empty string")
         self.documents = _documents(body)
-        self.top_n = _int(body, "top_n")
+        self.top_n = get_int(body, "top_n")
         if self.top_n is not None and self.top_n < 1:
             raise FieldError("top_n", f"top_n must be >= 1, got {self.top_n}")
-        self.return_documents = _bool(body, "return_documents")
-        self.priority = _priority(body)
+        self.return_documents = get_bool(body, "return_documents")
+        self.priority = priority(body)
 
     def infer_request(self, model: str) -> InferRequest:
         documents = np.empty(len(self.documents), dtype=object)
@@ -82,7 +82,7 @@ class _RerankRequest:
         parameters = {"sort": True} | ({"top_n": self.top_n} if self.top_n is not None else {})
         return InferRequest(model, {RERANK_QUERY: np.array([self.query.encode()], dtype=object),
                                     RERANK_DOCUMENTS: documents},
-                            parameters=parameters, request_id=current_request_id(), priority=self.priority)
+                            parameters=parameters, priority=self.priority)
 
     def answer(self, model: str, outputs: dict[str, np.ndarray]) -> dict:
         results = []
@@ -108,6 +108,6 @@ def _documents(body: dict) -> list[str]:
             item = item["text"]
         if not isinstance(item, str):
             raise FieldError(f"documents[{i}]", f"documents[{i}] must be a string or {{\"text\": <string>}}, "
-                                                f"got {_type_name(item)}")
+                                                f"got {json_type_name(item)}")
         texts.append(item)
     return texts

@@ -1,0 +1,253 @@
+"""The data plane: what every front asks of the daemon, answered in one place.
+
+MLServer's DataPlane is the shape: the gRPC services (services/), KServe
+REST and the OpenAI API (http/) decode their protocol's request, call one
+method here, and encode its answer. Which model and version, whether the
+name is known, loading it inline, its statistics and metadata, whether it
+is a tensor or a language model, the request size cap, failure counting
+and the node's load figures are each decided here once, so two fronts
+cannot answer the same question two ways.
+
+Knows no protocol: nothing here imports grpc, protobuf or starlette. What
+it returns are frozen views (ModelMetadata, ModelStatistics, ModelLoad,
+MemoryFigures), never the engine's live ServedModel.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from typing import AsyncIterator, Mapping
+
+from modeld.backends.errors import ErrorKind, InvalidArgument, ResourceExhausted
+from modeld.backends.generation.params import FinalEvent, GenerateRequest, TokenEvent
+from modeld.backends.model_config import ModelConfig, ModelKind, TensorSpec
+from modeld.backends.sizes import format_size
+from modeld.server.backend_health import UnhealthyBackend
+from modeld.server.engine import MODEL_VERSION, Engine, ServedModel
+from modeld.server.lifecycle import Lifecycle
+from modeld.server.requests import InferRequest, InferResult, ModelState, ModelStatus
+from modeld.server.stats import ModelStats
+
+__all__ = ["DataPlane", "MemoryFigures", "ModelLoad", "ModelMetadata", "ModelStatistics", "ServerMetadata",
+           "MODEL_VERSION", "UnhealthyBackend"]
+
+DRAINING_MESSAGE = "the daemon is shutting down; retry on another node"
+
+
+@dataclass(frozen=True)
+class ServerMetadata:
+    name: str
+    version: str
+    extensions: tuple[str, ...]
+
+
+SERVER = ServerMetadata("modeld", importlib.metadata.version("modeld"),
+                        ("model_repository", "model_repository(unload_dependents)", "statistics", "parameters"))
+
+
+@dataclass(frozen=True)
+class ModelMetadata:
+    """A served model as a front describes it: its signature and what serves it."""
+
+    name: str
+    backend: str
+    kind: ModelKind
+    is_generative: bool
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    max_batch_size: int  # 0: not batched
+    version: str = MODEL_VERSION
+
+    @property
+    def platform(self) -> str:
+        return f"modeld_{self.backend}"
+
+
+@dataclass(frozen=True)
+class ModelStatistics:
+    name: str
+    stats: ModelStats  # the live counters, read as the front encodes them
+    nbytes: int | None  # what the served model holds; None while not served
+    version: str = MODEL_VERSION
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    """One model's load, as modeld.v1.Node reports it to a gateway."""
+
+    status: ModelStatus
+    stats: ModelStats
+    memory_bytes: int  # held in the budget, a load's estimate included
+    queue_depth: int = 0
+    kv_cells_used: int = 0
+    kv_cells_capacity: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryFigures:
+    used_bytes: int
+    budget_bytes: int
+    daemon_bytes: int  # the daemon's own share of used_bytes
+
+
+class DataPlane:
+    def __init__(self, engine: Engine, lifecycle: Lifecycle | None = None,
+                 max_request_bytes: int | None = None) -> None:
+        self.engine = engine
+        self.lifecycle = lifecycle or Lifecycle()
+        self.max_request_bytes = max_request_bytes  # a model's cap unless its [limits] sets one
+
+    # -- the server -----------------------------------------------------------
+
+    @property
+    def is_draining(self) -> bool:
+        return self.lifecycle.is_draining
+
+    def is_ready(self) -> bool:
+        return not self.is_draining
+
+    def server_metadata(self) -> ServerMetadata:
+        return SERVER
+
+    # -- which model ----------------------------------------------------------
+
+    def check_known(self, name: str, version: str = "") -> None:
+        """NOT_FOUND for a version other than the one modeld serves, or a name
+        that is neither served, loading nor in the repository."""
+        self.engine.check_version(name, version)
+        if not self.engine.is_known(name):
+            self.engine.repository.resolve(name)  # raises NOT_FOUND (or INVALID_ARGUMENT for a bad name)
+
+    def is_model_ready(self, name: str, version: str = "") -> bool:
+        self.engine.check_version(name, version)
+        return self.engine.state_of(name) is ModelState.READY
+
+    def model_state(self, name: str, version: str = "") -> ModelState:
+        """The state of a known model; NOT_FOUND for any other name."""
+        self.check_known(name, version)
+        return self.engine.state_of(name)
+
+    def statuses(self) -> list[ModelStatus]:
+        return self.engine.statuses()
+
+    def find_status(self, name: str) -> ModelStatus | None:
+        """A known model's status, None for any other name, however it is spelled."""
+        return next((s for s in self.engine.statuses() if s.name == name), None)
+
+    async def model(self, name: str, version: str = "") -> ModelMetadata:
+        """The model's metadata, loading it first where it is not served."""
+        return _metadata(await self.engine.ensure_loaded(name, version))
+
+    async def is_language_model(self, name: str, version: str = "") -> bool:
+        return (await self.model(name, version)).is_generative
+
+    def statistics(self, name: str = "", version: str = "") -> list[ModelStatistics]:
+        """One model's figures, or every known model's when `name` is empty."""
+        if name:
+            self.check_known(name, version)
+        names = [name] if name else [s.name for s in self.engine.statuses()]
+        return [ModelStatistics(n, self.engine.stats(n), _nbytes(self.engine.served(n))) for n in names]
+
+    # -- the repository -------------------------------------------------------
+
+    async def load(self, name: str, config: object = None, files: Mapping[str, bytes] | None = None) -> None:
+        """Load by name from the repository, or inline: `config` the model's
+        configuration as JSON text, `files` its files by `file:<path>` key,
+        each front having decoded their contents."""
+        files = dict(files or {})
+        if config is not None and not isinstance(config, str):
+            raise InvalidArgument("load parameter 'config' must be a string holding the model configuration as JSON "
+                                  "(a string_param over gRPC)")
+        if files and config is None:
+            raise InvalidArgument("model files in a load request need a 'config' parameter as well")
+        source = self.engine.repository.add_inline(name, config, files) if config is not None else None
+        await self.engine.load(name, source)
+
+    async def unload(self, name: str) -> None:
+        await self.engine.unload(name)
+
+    # -- requests -------------------------------------------------------------
+
+    def check_request_size(self, model: str, nbytes: int) -> None:
+        """RESOURCE_EXHAUSTED for a request larger than its model's cap:
+        `[limits] max_request_bytes` in its config, else the daemon's
+        `max_request_bytes`. A model not loaded yet is judged by its config
+        in the repository, so an oversized request never triggers a load."""
+        if not nbytes:
+            return
+        cap = self._config(model).max_request_bytes
+        if cap is not None:
+            if nbytes > cap:
+                raise ResourceExhausted(
+                    f"request of {nbytes} bytes exceeds model {model!r}'s request size limit {cap} "
+                    f"({format_size(cap)}, limits.max_request_bytes in its config); send a smaller request or batch")
+            return
+        default_cap = self.max_request_bytes
+        if default_cap is not None and nbytes > default_cap:
+            raise ResourceExhausted(
+                f"request of {nbytes} bytes exceeds the daemon's request size limit {default_cap} "
+                f"({format_size(default_cap)}, max_request_bytes); send a smaller request, or raise the limit for "
+                f"this model with limits.max_request_bytes in its config")
+
+    def _config(self, model: str) -> ModelConfig:
+        served = self.engine.served(model)
+        return served.config if served is not None else self.engine.repository.resolve(model).config
+
+    async def infer(self, request: InferRequest) -> InferResult:
+        return await self.engine.infer(request)
+
+    def generate(self, request: GenerateRequest,
+                 timeout_s: float | None = None) -> AsyncIterator[TokenEvent | FinalEvent]:
+        return self.engine.generate(request, timeout_s)
+
+    async def tokenize(self, name: str, text: str) -> list[int]:
+        return await self.engine.tokenize(name, text)
+
+    async def detokenize(self, name: str, token_ids: list[int]) -> str:
+        return await self.engine.detokenize(name, token_ids)
+
+    def count_failure(self, model: str, kind: ErrorKind) -> None:
+        """One failed call, whatever front it came in by."""
+        self.engine.count_failure(model, kind)
+
+    # -- the node's load --------------------------------------------------------
+
+    def memory(self) -> MemoryFigures:
+        memory = self.engine.memory
+        return MemoryFigures(memory.used, memory.budget, memory.daemon_bytes)
+
+    def model_loads(self) -> list[ModelLoad]:
+        held = self._bytes_by_model()
+        return [_load_of(status, self.engine.stats(status.name), held.get(status.name, 0),
+                         self.engine.served(status.name)) for status in self.engine.statuses()]
+
+    def _bytes_by_model(self) -> dict[str, int]:
+        """What the budget holds per model name, summed over its backends; a
+        model being loaded holds its estimate here before it is served."""
+        memory, held = self.engine.memory, {}
+        for key in memory.keys_lru_first():
+            held[key.model] = held.get(key.model, 0) + memory.entry(key).nbytes
+        return held
+
+    def unhealthy_backends(self) -> list[UnhealthyBackend]:
+        return self.engine.unhealthy_backends()
+
+
+def _metadata(served: ServedModel) -> ModelMetadata:
+    config = served.config
+    return ModelMetadata(config.name, served.backend.name, config.kind, served.is_generative,
+                         tuple(served.loaded.inputs), tuple(served.loaded.outputs), config.max_batch_size)
+
+
+def _nbytes(served: ServedModel | None) -> int | None:
+    return served.loaded.nbytes if served is not None else None
+
+
+def _load_of(status: ModelStatus, stats: ModelStats, memory_bytes: int, served: ServedModel | None) -> ModelLoad:
+    if served is not None and served.batcher is not None:
+        return ModelLoad(status, stats, memory_bytes, queue_depth=served.batcher.num_waiting)
+    if served is not None and served.generation is not None:
+        step = served.generation.latest
+        return ModelLoad(status, stats, memory_bytes, step.num_waiting, step.kv_used, step.kv_capacity)
+    return ModelLoad(status, stats, memory_bytes)

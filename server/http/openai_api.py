@@ -1,0 +1,75 @@
+"""The OpenAI-compatible API (/v1): chat completions, completions,
+embeddings and the model list, over the same data plane as gRPC.
+
+The endpoints live by noun: openai_chat.py (chat and completions, JSON and
+server-sent events), openai_embeddings.py, and openai_fields.py for what
+every /v1 endpoint shares (reading fields, OpenAI's error shape).
+"""
+
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from modeld.backends.errors import NotFound
+from modeld.server.dataplane import DataPlane
+from modeld.server.http.openai_chat import answer_generation
+from modeld.server.http.openai_embeddings import embeddings
+from modeld.server.http.openai_fields import error_response, takes_json_body
+from modeld.server.requests import ModelState, ModelStatus
+
+
+def routes(plane: DataPlane) -> list[BaseRoute]:
+    return OpenAIApi(plane).routes()
+
+
+class OpenAIApi:
+    def __init__(self, plane: DataPlane) -> None:
+        # app.py's middleware refuses new requests while the daemon drains
+        self.plane = plane
+        self.started = int(time.time())  # what `created` says of every model: when this daemon began serving it
+
+    def routes(self) -> list[BaseRoute]:
+        return [
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            Route("/v1/models", self.list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
+        ]
+
+    @takes_json_body
+    async def chat_completions(self, request: Request, body: dict) -> Response:
+        return await answer_generation(self.plane, request, body, chat=True)
+
+    @takes_json_body
+    async def completions(self, request: Request, body: dict) -> Response:
+        return await answer_generation(self.plane, request, body, chat=False)
+
+    @takes_json_body
+    async def embeddings(self, request: Request, body: dict) -> Response:
+        return JSONResponse(await embeddings(self.plane, body))
+
+    async def list_models(self, request: Request) -> Response:
+        try:
+            return JSONResponse({"object": "list", "data": [self._describe(s) for s in self.plane.statuses()]})
+        except Exception as exc:  # noqa: BLE001 - every failure answers in OpenAI's shape
+            return error_response(exc, self.plane, "")
+
+    async def get_model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        try:
+            status = self.plane.find_status(name)
+            if status is None:
+                raise NotFound(f"model {name!r} is not in the repository; GET /v1/models lists the models")
+            return JSONResponse(self._describe(status))
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc, self.plane, name)
+
+    def _describe(self, status: ModelStatus) -> dict:
+        return {"id": status.name, "object": "model", "created": self.started, "owned_by": "modeld",
+                "ready": status.state is ModelState.READY, "state": status.state.value,
+                **({"reason": status.reason} if status.reason else {})}

@@ -1,0 +1,97 @@
+"""/v1/embeddings: a text embedding model's vectors, in OpenAI's shape."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import numpy as np
+
+from modeld.backends.errors import InvalidArgument
+from modeld.backends.model_config import TensorSpec
+from modeld.server.dataplane import DataPlane, ModelMetadata
+from modeld.server.http.common import json_type_name
+from modeld.server.http.openai_fields import IGNORED, FieldError, check_fields, get_field, get_int, model_name, priority
+from modeld.server.requests import InferRequest
+
+_EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "priority"} | IGNORED
+
+
+async def embeddings(plane: DataPlane, body: dict) -> dict:
+    """The answer to one /v1/embeddings body."""
+    model = model_name(body)
+    check_fields(body, _EMBEDDING_FIELDS, "/v1/embeddings")
+    texts = _texts(body)
+    encoding = get_field(body, "encoding_format", (str,), "float or base64", "float")
+    if encoding not in ("float", "base64"):
+        raise FieldError("encoding_format", f"encoding_format must be float or base64, got {encoding!r}")
+    dimensions = get_int(body, "dimensions")
+    urgency = priority(body)
+    vectors = await _embed(plane, await plane.model(model), texts, urgency)
+    if dimensions is not None and dimensions != vectors.shape[1]:
+        raise FieldError("dimensions", f"model {model!r} gives {vectors.shape[1]} dimensions and cannot "
+                                       f"shorten them; leave dimensions out or send {vectors.shape[1]}")
+    return {
+        "object": "list", "model": model,
+        "data": [{"object": "embedding", "index": i, "embedding": _encode_vector(v, encoding)}
+                 for i, v in enumerate(vectors)],
+        # the tokenizer runs inside the backend, which reports no token
+        # counts; 0 says "not counted" rather than a guess
+        "usage": {"prompt_tokens": 0, "total_tokens": 0},
+    }
+
+
+def _texts(body: dict) -> list[str]:
+    value = body.get("input")
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise FieldError("input", "input must be a string or a non-empty array of strings")
+    for i, text in enumerate(value):
+        if not isinstance(text, str):
+            raise FieldError("input", f"input[{i}] must be a string, got {json_type_name(text)} (token arrays are not "
+                                      "accepted: this server tokenizes text itself)")
+        if not text:
+            raise FieldError("input", f"input[{i}] is empty; embeddings need text")
+    return value
+
+
+def _embedder(model: ModelMetadata) -> tuple[TensorSpec, TensorSpec]:
+    """The text input and the vector output of a one-BYTES-input text
+    embedder; anything else is refused with what it is instead."""
+    name = model.name
+    if model.is_generative:
+        raise InvalidArgument(f"model {name!r} is a language model, not an embedding model; use "
+                              "/v1/chat/completions or /v1/completions")
+    inputs, outputs = model.inputs, model.outputs
+    if len(inputs) != 1 or inputs[0].datatype != "BYTES" or len(inputs[0].shape) != 1:
+        found = ", ".join(f"{t.name} {t.datatype} {list(t.shape)}" for t in inputs)
+        raise InvalidArgument(f"model {name!r} is not a text embedding model: /v1/embeddings needs one BYTES input "
+                              f"[batch] of text, it takes {found}; use the KServe API (ModelInfer) instead")
+    vectors = [t for t in outputs if t.datatype == "FP32" and len(t.shape) == 2]
+    if len(vectors) != 1:
+        found = ", ".join(f"{t.name} {t.datatype} {list(t.shape)}" for t in outputs)
+        raise InvalidArgument(f"model {name!r} is not a text embedding model: /v1/embeddings needs exactly one FP32 "
+                              f"output [batch, dimensions], it has {found}; use the KServe API (ModelInfer) instead")
+    return inputs[0], vectors[0]
+
+
+async def _embed(plane: DataPlane, model: ModelMetadata, texts: list[str], level: int) -> np.ndarray:
+    text_input, vector_output = _embedder(model)
+    # One infer call per HTTP request carries all its strings, split only
+    # where the model's max_batch_size would refuse them; the dynamic
+    # batcher merges these with concurrent gRPC calls all the same
+    # (bench/bench_http.py measures this against one call per string).
+    step = model.max_batch_size or len(texts)
+    chunks = [texts[i:i + step] for i in range(0, len(texts), step)]
+    results = await asyncio.gather(*(
+        plane.infer(InferRequest(model.name, {text_input.name: np.array([t.encode() for t in chunk], dtype=object)},
+                                 output_names=(vector_output.name,), priority=level))
+        for chunk in chunks))
+    return np.concatenate([r.outputs[vector_output.name] for r in results]).astype(np.float32, copy=False)
+
+
+def _encode_vector(vector: np.ndarray, encoding: str) -> list[float] | str:
+    if encoding == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()

@@ -1,0 +1,142 @@
+"""ModelStreamInfer: many KServe requests on one bidirectional stream.
+
+Requests on one stream run concurrently; each gets its own answers. A
+failed request becomes an error_message on the stream, which stays open,
+as tritonclient expects; the message starts with the status the same
+failure gets from ModelInfer, and is counted the same way. So does a
+message that is no valid ModelInferRequest (the stream reads its messages
+as bytes and parses each itself). Language models answer with one response
+per token chunk. The stream's request id and the call's deadline cover
+every request on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import structlog
+
+from modeld.backends.errors import ErrorKind, ModeldError
+from modeld.backends.generation.params import FinalEvent
+from modeld.gen import inference_pb2 as pb
+from modeld.server.dataplane import DRAINING_MESSAGE, DataPlane
+from modeld.server.request_context import internal_message
+from modeld.server.services.convert import request_from_proto, response_to_proto
+from modeld.server.services.kserve_text import text_request, text_response
+from modeld.server.services.limits import call_timeout_s, sooner, with_call_timeout
+from modeld.server.services.parsing import UndecodableRequest, parse_request
+
+log = structlog.get_logger("modeld.rpc")
+
+
+class InferStream:
+    """One ModelStreamInfer call: a reader starts a task per request, and
+    every task puts its answers on one queue the call yields from."""
+
+    def __init__(self, plane: DataPlane, context, request_id: str) -> None:
+        self.plane, self.context, self.request_id = plane, context, request_id
+        self.responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        self.tasks: set[asyncio.Task] = set()
+
+    async def answers(self, request_iterator) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        reader = asyncio.get_running_loop().create_task(self._read(request_iterator))
+        try:
+            while (item := await self.responses.get()) is not None:
+                yield item
+        finally:
+            reader.cancel()
+            for task in list(self.tasks):
+                task.cancel()
+
+    async def _read(self, request_iterator) -> None:
+        async for data in request_iterator:
+            msg = await self._parsed(data)
+            if msg is not None:
+                task = asyncio.get_running_loop().create_task(self._run_one(msg, len(data)))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+        while self.tasks:
+            await asyncio.gather(*list(self.tasks))
+        await self.responses.put(None)
+
+    async def _parsed(self, data: bytes) -> pb.ModelInferRequest | None:
+        """The message, or None once its failure is on the stream."""
+        try:
+            msg = parse_request(pb.ModelInferRequest.FromString, data)
+        except UndecodableRequest as exc:
+            log.info("stream_request_failed", status=exc.kind.value, reason=str(exc))
+            await self._fail(pb.ModelInferRequest(), exc.kind, str(exc))
+            return None
+        if self.plane.is_draining:
+            await self._fail(msg, ErrorKind.UNAVAILABLE, DRAINING_MESSAGE)
+            return None
+        return msg
+
+    async def _run_one(self, msg: pb.ModelInferRequest, nbytes: int) -> None:
+        structlog.contextvars.bind_contextvars(request_id=self.request_id, client_request_id=msg.id)
+        try:
+            await self._answer(msg, nbytes)
+        except ModeldError as exc:
+            log.info("stream_request_failed", model=msg.model_name, status=exc.kind.value, reason=str(exc))
+            await self._fail(msg, exc.kind, str(exc))
+        except Exception:  # a bug: keep the stream and the daemon alive
+            log.exception("stream_request_bug", model=msg.model_name)
+            await self._fail(msg, ErrorKind.INTERNAL, internal_message(self.request_id))
+
+    async def _answer(self, msg: pb.ModelInferRequest, nbytes: int) -> None:
+        timeout_s = call_timeout_s(self.context)
+        self.plane.check_request_size(msg.model_name, nbytes)
+        if await self.plane.is_language_model(msg.model_name, msg.model_version):
+            await self._stream_text(msg, timeout_s)
+            return
+        result = await self.plane.infer(with_call_timeout(request_from_proto(msg), timeout_s))
+        if wants_empty_final(msg):
+            await self._put(flagged(response_to_proto(result), False))
+            await self._put(flagged(pb.ModelInferResponse(model_name=msg.model_name, id=msg.id), True))
+            return
+        # A tensor model answers each request once: that answer is the last.
+        await self._put(flagged(response_to_proto(result), True))
+
+    async def _stream_text(self, msg: pb.ModelInferRequest, call_timeout: float | None) -> None:
+        """One response per token chunk; the last carries triton_final_response.
+
+        Each chunk is held back one event so the last text chunk can carry
+        the final flag; with triton_enable_empty_final_response the chunks
+        all go out as they come and an empty response closes the request.
+        """
+        empty_final = wants_empty_final(msg)
+        pending = None
+        generation, timeout_s = text_request(msg, self.request_id)
+        async for event in self.plane.generate(generation, sooner(timeout_s, call_timeout)):
+            if isinstance(event, FinalEvent):
+                if empty_final or pending is None:
+                    await self._put(flagged(text_response(msg, None, event), True))
+                else:
+                    await self._put(flagged(text_response(msg, pending.text, event, [pending]), True))
+                return
+            if empty_final:
+                await self._put(flagged(text_response(msg, event.text, tokens=[event]), False))
+                continue
+            if pending is not None:
+                await self._put(flagged(text_response(msg, pending.text, tokens=[pending]), False))
+            pending = event
+
+    async def _put(self, response: pb.ModelInferResponse) -> None:
+        await self.responses.put(pb.ModelStreamInferResponse(infer_response=response))
+
+    async def _fail(self, msg: pb.ModelInferRequest, kind: ErrorKind, message: str) -> None:
+        self.plane.count_failure(msg.model_name, kind)
+        await self.responses.put(pb.ModelStreamInferResponse(
+            error_message=f"{kind.value}: {message}",
+            infer_response=pb.ModelInferResponse(model_name=msg.model_name, id=msg.id)))
+
+
+def wants_empty_final(request: pb.ModelInferRequest) -> bool:
+    flag = "triton_enable_empty_final_response"
+    return flag in request.parameters and request.parameters[flag].bool_param
+
+
+def flagged(response: pb.ModelInferResponse, final: bool) -> pb.ModelInferResponse:
+    response.parameters["triton_final_response"].bool_param = final
+    return response
