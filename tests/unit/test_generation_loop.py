@@ -6,6 +6,7 @@ carry their own status."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -142,11 +143,28 @@ def test_speculation_gives_the_plain_tokens(kind, mode):
     assert loop.draft.computed == {}  # released at the end
 
 
+class GatedRunner(CountingRunner):
+    """Runs `num_free` steps, then each waits for `gate`: the sequence is
+    still mid-generation when the test looks, however fast the steps are
+    and however late the test's task gets the event loop."""
+
+    def __init__(self, num_free: int) -> None:
+        super().__init__()
+        self.num_free = num_free
+        self.gate = threading.Event()
+
+    def run(self, plan):
+        if len(self.plans) >= self.num_free:
+            assert self.gate.wait(30), "the test never let the step run"
+        return super().run(plan)
+
+
 @pytest.mark.parametrize("kind", ["slots", "paged"])
 def test_cancelling_a_draft_stream_releases_the_draft_state(kind):
     draft = CountingDraft()
     scheduler = _schedulers()[kind]
-    loop = GenerationLoop(runner=CountingRunner(), scheduler=scheduler, draft=draft)
+    runner = GatedRunner(num_free=2)  # the prefill and one decode step: one event each
+    loop = GenerationLoop(runner=runner, scheduler=scheduler, draft=draft)
 
     async def body():
         request = _request("hello", max_tokens=200, speculative=SpeculativeMode.DRAFT, num_speculative_tokens=2)
@@ -155,9 +173,11 @@ def test_cancelling_a_draft_stream_releases_the_draft_state(kind):
         await stream.__anext__()
         assert draft.computed  # the draft holds state for the running sequence
         await stream.aclose()  # the client went away
+        runner.gate.set()
         await wait_until_async(lambda: not scheduler.has_work(), what="the sequence to leave the batch")
     _serve(loop, body)
     assert not scheduler.running and len(draft.released) == 1 and draft.computed == {}
+    assert len(runner.plans) <= runner.num_free + 2  # it left at the next step, not after 200 tokens
 
 
 @pytest.mark.parametrize("kind", ["slots", "paged"])
