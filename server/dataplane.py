@@ -95,7 +95,7 @@ class DataPlane:
     def __init__(self, engine: Engine, lifecycle: Lifecycle | None = None,
                  max_request_bytes: int | None = None) -> None:
         self.engine = engine
-        self.lifecycle = lifecycle or Lifecycle()
+        self.lifecycle = lifecycle if lifecycle is not None else Lifecycle()
         self.max_request_bytes = max_request_bytes  # a model's cap unless its [limits] sets one
 
     # -- the server -----------------------------------------------------------
