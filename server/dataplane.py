@@ -140,7 +140,8 @@ class DataPlane:
         return _metadata(await self.engine.ensure_loaded(name, version))
 
     async def is_language_model(self, name: str, version: str = "") -> bool:
-        return (await self.model(name, version)).is_generative
+        # on every ModelInfer: asks the served model, without building its metadata
+        return (await self.engine.ensure_loaded(name, version)).is_generative
 
     def statistics(self, name: str = "", version: str = "") -> list[ModelStatistics]:
         """One model's figures, or every known model's when `name` is empty."""

@@ -8,6 +8,7 @@ change (health Watch and the readiness probe follow them).
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -47,12 +48,14 @@ class ServedModel:
         assert isinstance(self.loaded, GenerativeModel), "checked by the dispatcher's capability test"
         return self.loaded
 
-    @property
+    # the facets are asked per request; a runtime-checkable isinstance costs
+    # microseconds and `loaded` never changes, so each is answered once
+    @functools.cached_property
     def worker(self) -> InWorkerProcess | None:
         """The worker process facet, where the model runs in one."""
         return self.loaded if isinstance(self.loaded, InWorkerProcess) else None
 
-    @property
+    @functools.cached_property
     def remote(self) -> RemoteHealth | None:
         """The remote engine's health facet, where a remote engine serves it."""
         return self.loaded if isinstance(self.loaded, RemoteHealth) else None
