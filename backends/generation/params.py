@@ -14,6 +14,43 @@ class SpeculativeMode(Enum):
     DRAFT = "draft"
 
 
+# Limits on caller-controlled lists and sizes (each refusal names the limit).
+MAX_LOGIT_BIAS = 300  # OpenAI's own cap on logit_bias entries
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_N = 16
+MAX_CONSTRAINT_BYTES = 64 * 1024
+
+
+class ConstraintKind(Enum):
+    JSON_OBJECT = "json_object"  # any JSON object
+    JSON_SCHEMA = "json_schema"  # spec: the schema as JSON text
+    REGEX = "regex"
+    CHOICE = "choice"  # spec: a JSON array of strings, the output is exactly one of them
+    LARK = "lark"
+    GBNF = "gbnf"
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match; compiled by the engine at admission
+    (backends/generation/constraints.py), so a bad spec is refused before any
+    token is generated."""
+    kind: ConstraintKind
+    spec: str = ""
+
+    def validate(self) -> None:
+        if not isinstance(self.kind, ConstraintKind):
+            raise InvalidArgument(f"constraint kind must be one of {[k.value for k in ConstraintKind]}")
+        size = len(self.spec.encode("utf-8", "surrogatepass"))
+        if size > MAX_CONSTRAINT_BYTES:
+            raise InvalidArgument(
+                f"{self.kind.value} constraint is {size} bytes, over the limit of {MAX_CONSTRAINT_BYTES}")
+        if self.kind is not ConstraintKind.JSON_OBJECT and not self.spec:
+            raise InvalidArgument(f"{self.kind.value} constraint needs a non-empty spec")
+
+
 class FinishReason(Enum):
     STOP = "stop"
     LENGTH = "length"
@@ -42,6 +79,14 @@ class SamplingParams:
     cache_prompt: bool = True
     speculative: SpeculativeMode = SpeculativeMode.NONE
     num_speculative_tokens: int = 4
+    presence_penalty: float = 0.0  # OpenAI: logit -= presence if the token was generated
+    frequency_penalty: float = 0.0  # OpenAI: logit -= frequency * times generated
+    repetition_penalty: float = 1.0  # HF/vLLM, over prompt and output: 1 is off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_tokens: int = 0  # eos and stop_token_ids are masked until this many tokens
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    constraint: Constraint | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -58,10 +103,36 @@ class SamplingParams:
             (1 <= self.num_speculative_tokens <= 16, f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}"),
             (all(s for s in self.stop), "stop strings must not be empty"),
             (self.seed is None or 0 <= self.seed < 2**64, f"seed must be in [0, 2^64), got {self.seed}"),
+            (len(self.stop) <= MAX_STOPS, f"stop takes at most {MAX_STOPS} strings, got {len(self.stop)}"),
+            (all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+             f"each stop string must be at most {MAX_STOP_CHARS} characters"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+             f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative token ids"),
+            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2.0 <= self.frequency_penalty <= 2.0,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (0.0 < self.repetition_penalty <= 2.0,
+             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
+            (len(self.logit_bias) <= MAX_LOGIT_BIAS,
+             f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}"),
+            (all(t >= 0 for t, _ in self.logit_bias), "logit_bias keys must be non-negative token ids"),
+            (all(-100.0 <= b <= 100.0 for _, b in self.logit_bias), "logit_bias values must be in [-100, 100]"),
+            (0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
         )
         for ok, message in checks:
             if not ok:
                 raise InvalidArgument(message)
+        if self.constraint is not None:
+            self.constraint.validate()
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any logit processor beyond temperature/top-k/top-p is on:
+        the greedy fast path skips them all when not."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
 
 @dataclass(frozen=True)
