@@ -58,10 +58,47 @@ class FinishReason(Enum):
     ERROR = "error"
 
 
+MAX_TOOLS = 128  # function definitions in one request
+MAX_TOOL_SCHEMA_BYTES = 16 * 1024  # one function's parameters schema, as JSON text
+MAX_TOOLS_BYTES = 128 * 1024  # all function definitions together
+MAX_TOOL_CALLS = 128  # calls in one assistant message
+_TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+MAX_TOOL_NAME_CHARS = 64  # OpenAI's own rule for function names
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A function call the assistant made: `arguments_json` is the arguments
+    object as JSON text, as the model (or the client's history) wrote it."""
+    id: str
+    name: str
+    arguments_json: str = "{}"
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A function the model may call; `parameters_json` is the JSON schema of
+    its arguments object ("" when it takes none)."""
+    name: str
+    description: str = ""
+    parameters_json: str = ""
+
+    def validate(self, where: str) -> None:
+        if not self.name or len(self.name) > MAX_TOOL_NAME_CHARS or set(self.name) - _TOOL_NAME_CHARS:
+            raise InvalidArgument(f"{where}.name must be 1 to {MAX_TOOL_NAME_CHARS} letters, digits, '_', '-' or "
+                                  f"'.', got {self.name[:80]!r}")
+        size = len(self.parameters_json.encode("utf-8", "surrogatepass"))
+        if size > MAX_TOOL_SCHEMA_BYTES:
+            raise InvalidArgument(f"{where}.parameters is {size} bytes, over the limit of {MAX_TOOL_SCHEMA_BYTES}")
+
+
 @dataclass(frozen=True)
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant message's calls
+    tool_call_id: str = ""  # a tool message: the call it answers
+    name: str = ""  # a tool message: the function's name, where the client gave it
 
 
 @dataclass(frozen=True)
@@ -144,6 +181,7 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = ""
     priority: int = 0  # 1 most urgent, larger less; 0: the default level, after every explicit one
+    tools: tuple[ToolSpec, ...] = ()  # rendered by the chat template (messages only)
 
     def validate(self) -> None:
         given = sum(bool(x) for x in (self.prompt, self.token_ids, self.messages))
@@ -152,6 +190,30 @@ class GenerateRequest:
         if self.priority < 0:
             raise InvalidArgument(f"priority must be >= 0 (1 is the most urgent, 0 the default), got {self.priority}")
         self.params.validate()
+        self._validate_tools()
+
+    def _validate_tools(self) -> None:
+        if self.tools and not self.messages:
+            raise InvalidArgument("tools need chat messages (the chat template renders them)")
+        if len(self.tools) > MAX_TOOLS:
+            raise InvalidArgument(f"tools takes at most {MAX_TOOLS} functions, got {len(self.tools)}")
+        for i, tool in enumerate(self.tools):
+            tool.validate(f"tools[{i}].function")
+        total = sum(len(t.parameters_json) + len(t.description) for t in self.tools)
+        if total > MAX_TOOLS_BYTES:
+            raise InvalidArgument(f"tools hold {total} bytes of definitions, over the limit of {MAX_TOOLS_BYTES}")
+        names = [t.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise InvalidArgument("tools must have distinct function names")
+        call_ids: set[str] = set()
+        for i, message in enumerate(self.messages):
+            if len(message.tool_calls) > MAX_TOOL_CALLS:
+                raise InvalidArgument(f"messages[{i}].tool_calls holds {len(message.tool_calls)} calls, over the "
+                                      f"limit of {MAX_TOOL_CALLS}")
+            call_ids.update(call.id for call in message.tool_calls)
+            if message.role == "tool" and message.tool_call_id not in call_ids:
+                raise InvalidArgument(f"messages[{i}].tool_call_id {message.tool_call_id[:64]!r} answers no earlier "
+                                      "assistant tool call")
 
 
 _DEFAULT_RANK = 2**63
