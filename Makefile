@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: all venv models serve test test-all test-remote stress vllm-env infinity-env llama-peer bench proto node docs clean
+.PHONY: all venv models registry serve test test-all test-remote stress vllm-env infinity-env llama-peer bench proto node docs clean
 
 all: test
 
@@ -48,8 +48,13 @@ node: $(NODE_STAMP)
 serve: models
 	$(BIN)/modeld serve --model-repository models
 
-test: models node
+test: models node registry
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# the CNCF distribution registry (Debian's docker-registry) the model store's
+# tests push to and pull from; a no-op where it is installed (CI runs as root)
+registry:
+	@command -v docker-registry >/dev/null || { apt-get update -qq && apt-get install -y -qq docker-registry apache2-utils; }
 
 # vLLM (CPU build) in its own environment, and the HF-format SmolLM2 it serves;
 # both are built once and kept (the script and the converter are idempotent;
