@@ -52,6 +52,22 @@ class Isolation(StrEnum):
 MODEL_ISOLATIONS = (Isolation.PROCESS, Isolation.IN_PROCESS)
 
 
+class ToolParser(StrEnum):
+    """How a language model writes a tool call in its output
+    (server/http/tool_parsers.py reads it back)."""
+
+    HERMES = "hermes"  # <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes, Qwen 2.5/3)
+    LLAMA3 = "llama3"  # {"name": ..., "parameters": {...}} as the whole answer (Llama 3.1-3.3)
+
+
+class ReasoningParser(StrEnum):
+    """How a model that thinks first marks its reasoning
+    (server/http/reasoning_parsers.py splits it off)."""
+
+    THINK = "think"  # an answer that opens with <think> reasons until </think> (Qwen3, SmolLM3)
+    DEEPSEEK_R1 = "deepseek_r1"  # reasons from the first token until </think> (its template opens the tag)
+
+
 class ModelKind(Enum):
     """What a model's inputs and outputs mean to the server."""
 
@@ -130,6 +146,11 @@ class ModelConfig:
     # [limits] max_request_bytes: None follows the daemon's max_request_bytes
     max_request_bytes: int | None = None
     isolation: Isolation | None = None  # None: the daemon's default
+    # language models: a Jinja file in the model folder that replaces the
+    # model's own chat template, and how its output is read back
+    chat_template: str = ""
+    tool_parser: ToolParser = ToolParser.HERMES
+    reasoning_parser: ReasoningParser | None = None
 
     @property
     def artifact_path(self) -> str:
@@ -170,7 +191,8 @@ def config_from_json(name: str, text: str) -> ModelConfig:
 
 _KNOWN_KEYS = {
     "format", "backends", "artifact", "batching", "memory_estimate", "warmup",
-    "pinned", "lazy_load", "inputs", "outputs", "text", "name", "kind", "rerank", "limits", "isolation", *OPTIONS_BY_BACKEND,
+    "pinned", "lazy_load", "inputs", "outputs", "text", "name", "kind", "rerank", "limits", "isolation",
+    "chat_template", "tool_parser", "reasoning_parser", *OPTIONS_BY_BACKEND,
 }
 
 
@@ -213,6 +235,10 @@ def config_from_dict(name: str, raw: dict[str, Any]) -> ModelConfig:
         rerank=rerank,
         max_request_bytes=_limits(name, reader.table("limits")),
         isolation=_isolation(reader),
+        chat_template=_safe_relative(name, reader.str("chat_template", ""), "chat_template"),
+        tool_parser=reader.enum("tool_parser", ToolParser, ToolParser.HERMES),
+        reasoning_parser=(reader.enum("reasoning_parser", ReasoningParser, ReasoningParser.THINK)
+                          if "reasoning_parser" in raw else None),
     )
 
 
@@ -334,11 +360,11 @@ def _preferred_sizes(model: str, batching: dict[str, Any]) -> tuple[int, ...]:
     return tuple(sorted(set(sizes)))
 
 
-def _safe_relative(model: str, path: str) -> str:
+def _safe_relative(model: str, path: str, key: str = "artifact") -> str:
     if not path:
         return path
     if "\x00" in path or path.startswith(("/", "\\")) or ".." in Path(path).parts:
-        raise InvalidArgument(f"model {model!r}: artifact path {path!r} must stay inside the model folder")
+        raise InvalidArgument(f"model {model!r}: {key} path {path!r} must stay inside the model folder")
     return path
 
 
