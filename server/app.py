@@ -91,7 +91,8 @@ class Daemon:
         self.engine.use_workers(settings.worker_policy())
         # what every front (gRPC and HTTP) asks of the engine
         self.plane = DataPlane(self.engine, self.lifecycle,
-                               max_request_bytes=settings.max_request_bytes or settings.max_message_bytes)
+                               max_request_bytes=settings.max_request_bytes or settings.max_message_bytes,
+                               limits=settings.request_limits())
         self.health = health.aio.HealthServicer()
         self.engine.add_listener(self._on_model_state)
         self.server: grpc.aio.Server | None = None
@@ -120,12 +121,16 @@ class Daemon:
             ("grpc.max_send_message_length", s.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
+        if s.max_streams_per_connection:
+            options.append(("grpc.max_concurrent_streams", s.max_streams_per_connection))
         interceptors = []
         if self.auth is not None:
             from modeld.server.auth import AuthInterceptor
 
             interceptors.append(AuthInterceptor(self.auth))
-        self.server = grpc.aio.server(options=options, interceptors=interceptors or None)
+        # past max_concurrent_rpcs gRPC itself answers RESOURCE_EXHAUSTED, before any handler runs
+        self.server = grpc.aio.server(options=options, interceptors=interceptors or None,
+                                      maximum_concurrent_rpcs=s.max_concurrent_rpcs or None)
         # every handler registered through it parses its own request: bytes
         # that are no valid message are INVALID_ARGUMENT, not grpc's UNKNOWN
         parsing = ParsingServer(self.server, lambda: self.plane.count_failure("", ErrorKind.INVALID_ARGUMENT))
@@ -158,9 +163,26 @@ class Daemon:
                  memory_budget=format_size(s.memory_budget), memory_budget_bytes=s.memory_budget,
                  daemon_rss_bytes=own_rss(), daemon_bytes=self.engine.memory.daemon_bytes,  # README, "Worker processes"
                  backends={e.name: (e.availability.reason or "available") for e in self.registry.entries()})
+        self._warn_if_exposed()
         if s.preload:
             await self._preload()
         return self.port
+
+    def _warn_if_exposed(self) -> None:
+        """load_settings refuses a non-loopback host without tokens unless
+        insecure is set; said loudly in the log whenever it is so."""
+        from modeld.server.limits import is_loopback
+
+        s = self.settings
+        if is_loopback(s.host):
+            return
+        if self.auth is None:
+            log.warning("serving_without_tokens", host=s.host,
+                        reason="insecure is set: anyone who reaches these ports may run, load and unload models; "
+                               "set auth_token_file (`modeld token` makes one)")
+        if self.tls is None:
+            log.warning("serving_without_tls", host=s.host,
+                        reason="tokens and requests cross the network in plain text; set tls_cert and tls_key")
 
     async def _start_http(self) -> None:
         """KServe v2 REST and the OpenAI API on uvicorn, in this event loop:
@@ -174,8 +196,11 @@ class Daemon:
 
         sock = _listen(s.host, s.http_port)
         config = uvicorn.Config(
-            build_app(self.plane, s.max_message_bytes, authenticator=self.auth),
+            # the same byte cap as a gRPC request's (the data plane's max_request_bytes)
+            build_app(self.plane, s.max_request_bytes or s.max_message_bytes, authenticator=self.auth),
             log_config=None, lifespan="off", access_log=False, server_header=False,
+            # past it uvicorn answers 503 before the app runs; idle keep-alive connections count
+            limit_concurrency=s.http_max_concurrency or None,
             timeout_graceful_shutdown=s.shutdown_grace_s,
             # longer than clients and balancers keep idle connections (aiohttp
             # 15 s, cloud balancers 60 s): a server that closes first races

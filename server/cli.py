@@ -38,6 +38,15 @@ def _serve_args(sub) -> None:
                    help="mutual TLS: refuse clients without a certificate this CA signed")
     p.add_argument("--auth-token-file", dest="auth_token_file", metavar="FILE",
                    help="lines of '<token> <role>' (infer or admin); calls then need 'authorization: Bearer <token>'")
+    p.add_argument("--insecure", action="store_const", const=True,
+                   help="serve a non-loopback --host without a token file (anyone who reaches the port may call "
+                        "and load models); refused otherwise")
+
+
+def _token_args(sub) -> None:
+    p = sub.add_parser("token", help="make a random token and the token-file line that grants it a role")
+    p.add_argument("--role", default="infer", choices=["infer", "admin"], help="the token's role (default infer)")
+
 
 
 def _gateway_args(sub) -> None:
@@ -92,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_args(sub)
     _gateway_args(sub)
     _client_args(sub)
+    _token_args(sub)
     for name in ("models", "health", "load", "unload", "infer"):
         _credential_args(sub.choices[name])
     return parser
@@ -126,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "gateway":
         return gateway(args)
+    if args.command == "token":
+        return make_token(args.role)
     if args.command == "prepare":
         from modeld.server.prepare import prepare_repository
 
@@ -142,7 +154,19 @@ def serve(args) -> int:
                                            "memory_budget", "lazy_load", "preload", "log_format", "max_streams")}
     flags.update({k: getattr(args, k) for k in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")})
     flags["isolation"] = args.isolation
+    flags["insecure"] = args.insecure
     return _run_until_signalled(lambda: load_settings(flags, config_file=args.config), ConfigError, Daemon)
+
+
+def make_token(role: str) -> int:
+    """The token on the first line (for the client: MODELD_TOKEN or
+    --token-file), the line for the daemon's token file on the second."""
+    import secrets
+
+    token = secrets.token_urlsafe(32)
+    print(token)
+    print(f"{token} {role}")
+    return 0
 
 
 def gateway(args) -> int:

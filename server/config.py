@@ -65,6 +65,15 @@ class Settings:
     tls_key: Path | None = None
     tls_client_ca: Path | None = None  # mutual TLS: clients need a certificate this CA signed
     auth_token_file: Path | None = None  # lines of '<token> <role>'; set, every call but probes needs a token
+    # a host other than loopback needs auth_token_file unless this is set (server/limits.py, is_loopback)
+    insecure: bool = False
+    # what one caller may hold (server/limits.py); each refusal names its setting
+    max_concurrent_rpcs: int = 4096  # gRPC calls in progress at once, daemon-wide; 0: no cap
+    max_streams_per_connection: int = 0  # HTTP/2 streams one gRPC connection may open at once; 0: gRPC's default
+    http_max_concurrency: int = 4096  # HTTP connections and requests in progress (uvicorn's limit_concurrency); 0: no cap
+    max_embedding_inputs: int = 2048  # strings in one /v1/embeddings call
+    stream_infer_window: int = 64  # ModelStreamInfer requests one stream may have in flight or unread
+    inline_disk_quota: int = 8 * 1024**3  # bytes every uploaded (inline) model's folder may hold together; 0: none
 
     def health_policy(self) -> HealthPolicy:
         return HealthPolicy(self.backend_unhealthy_after, self.backend_health_window_s, self.backend_cooldown_s)
@@ -74,6 +83,11 @@ class Settings:
 
         return WorkerPolicy(Isolation(self.isolation), self.worker_load_timeout_s, self.worker_restart_backoff_s,
                             self.worker_restart_backoff_max_s, log_level=self.log_level, log_format=self.log_format)
+
+    def request_limits(self):
+        from modeld.server.limits import RequestLimits
+
+        return RequestLimits(self.max_embedding_inputs, self.stream_infer_window, self.inline_disk_quota)
 
     def describe(self) -> str:
         return (f"repository={self.model_repository} grpc={self.host}:{self.grpc_port} "
@@ -107,6 +121,13 @@ _PARSERS = {
     "tls_key": lambda v: _optional_path(v),
     "tls_client_ca": lambda v: _optional_path(v),
     "auth_token_file": lambda v: _optional_path(v),
+    "insecure": lambda v: _parse_bool(v),
+    "max_concurrent_rpcs": int,
+    "max_streams_per_connection": int,
+    "http_max_concurrency": int,
+    "max_embedding_inputs": int,
+    "stream_infer_window": int,
+    "inline_disk_quota": parse_size,
 }
 
 
@@ -154,6 +175,7 @@ def load_settings(flags: dict[str, Any], environ: dict[str, str] | None = None,
     try:
         _validate(settings)
         _validate_security(settings)
+        _validate_exposure(settings)
     except ConfigError as exc:
         key = exc.args[1] if len(exc.args) > 1 else None
         origin = values[key][1] if key in values else "the default"
@@ -197,6 +219,18 @@ def _validate_security(s: Settings) -> None:
             raise ConfigError(str(exc), "auth_token_file") from None
 
 
+def _validate_exposure(s: Settings) -> None:
+    """Any address but loopback takes calls from the network: without tokens
+    anyone who reaches the port could load models (RepositoryModelLoad)."""
+    from modeld.server.limits import is_loopback
+
+    if s.auth_token_file is None and not s.insecure and not is_loopback(s.host):
+        raise ConfigError(
+            f"refusing to serve on {s.host} without tokens: anyone who reaches the port could run and load models. "
+            "Set auth_token_file (--auth-token-file; `modeld token` makes one), listen on 127.0.0.1, "
+            "or pass --insecure to serve openly anyway", "host")
+
+
 def _validate(s: Settings) -> None:
     """Raises ConfigError(message, setting) so the caller can name the origin."""
     checks = (
@@ -212,6 +246,13 @@ def _validate(s: Settings) -> None:
          f"max_request_bytes {s.max_request_bytes} must be 0 (max_message_bytes) up to max_message_bytes "
          f"{s.max_message_bytes}: gRPC refuses larger messages before any model sees them"),
         ("max_streams", s.max_streams >= 1, f"max_streams {s.max_streams} must be at least 1"),
+        ("max_concurrent_rpcs", s.max_concurrent_rpcs >= 0, "max_concurrent_rpcs must be 0 (no cap) or more"),
+        ("max_streams_per_connection", s.max_streams_per_connection >= 0,
+         "max_streams_per_connection must be 0 (gRPC's default) or more"),
+        ("http_max_concurrency", s.http_max_concurrency >= 0, "http_max_concurrency must be 0 (no cap) or more"),
+        ("max_embedding_inputs", s.max_embedding_inputs >= 1, "max_embedding_inputs must be at least 1"),
+        ("stream_infer_window", s.stream_infer_window >= 1, "stream_infer_window must be at least 1"),
+        ("inline_disk_quota", s.inline_disk_quota >= 0, "inline_disk_quota must be 0 (no quota) or more"),
         ("shutdown_grace_s", s.shutdown_grace_s >= 0, "shutdown_grace_s must not be negative"),
         ("drain_delay_s", s.drain_delay_s >= 0, "drain_delay_s must not be negative"),
         ("log_format", s.log_format in ("json", "console"), f"log_format {s.log_format!r} must be json or console"),

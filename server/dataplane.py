@@ -19,13 +19,14 @@ import importlib.metadata
 from dataclasses import dataclass
 from typing import AsyncIterator, Mapping
 
-from modeld.backends.errors import ErrorKind, InvalidArgument, ResourceExhausted
+from modeld.backends.errors import ErrorKind, InvalidArgument, ModeldError, ResourceExhausted
 from modeld.backends.generation.params import FinalEvent, GenerateRequest, TokenEvent
 from modeld.backends.model_config import ModelConfig, ModelKind, TensorSpec
 from modeld.backends.sizes import format_size
 from modeld.server.backend_health import UnhealthyBackend
 from modeld.server.engine import MODEL_VERSION, Engine, ServedModel
 from modeld.server.lifecycle import Lifecycle
+from modeld.server.limits import RequestLimits
 from modeld.server.requests import InferRequest, InferResult, ModelState, ModelStatus
 from modeld.server.stats import ModelStats
 
@@ -93,10 +94,11 @@ class MemoryFigures:
 
 class DataPlane:
     def __init__(self, engine: Engine, lifecycle: Lifecycle | None = None,
-                 max_request_bytes: int | None = None) -> None:
+                 max_request_bytes: int | None = None, limits: RequestLimits | None = None) -> None:
         self.engine = engine
         self.lifecycle = lifecycle if lifecycle is not None else Lifecycle()
         self.max_request_bytes = max_request_bytes  # a model's cap unless its [limits] sets one
+        self.limits = limits if limits is not None else RequestLimits()  # what one caller may ask, every front
 
     # -- the server -----------------------------------------------------------
 
@@ -162,8 +164,16 @@ class DataPlane:
                                   "(a string_param over gRPC)")
         if files and config is None:
             raise InvalidArgument("model files in a load request need a 'config' parameter as well")
-        source = self.engine.repository.add_inline(name, config, files) if config is not None else None
-        await self.engine.load(name, source)
+        repository = self.engine.repository
+        if files:  # checked before a byte is written; add_inline then writes without yielding
+            self.limits.check_inline_upload(repository.inline_root, name, sum(len(v) for v in files.values()))
+        source = repository.add_inline(name, config, files) if config is not None else None
+        try:
+            await self.engine.load(name, source)
+        except ModeldError:  # not a cancelled caller: its load runs on, shielded
+            if source is not None and self.engine.served(name) is None:
+                repository.remove_inline(name)  # uploaded files no model serves would only hold the disk
+            raise
 
     async def unload(self, name: str) -> None:
         await self.engine.unload(name)

@@ -57,6 +57,7 @@ def build_app(plane: DataPlane, max_message_bytes: int | None = None, authentica
     routes = [*kserve.routes(plane), *openai_api.routes(plane), *rerank_api.routes(plane)]
     app = Starlette(routes=routes)
     app.state.max_message_bytes = max_message_bytes
+    app.state.plane = plane  # read_body applies its models' request size caps
     if authenticator is not None:
         from modeld.server.auth import HttpAuthMiddleware
 

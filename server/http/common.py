@@ -61,13 +61,37 @@ def _too_large(size: int | str, limit: int) -> BodyTooLarge:
                         f"({limit} bytes); send less per request or raise max_message_bytes")
 
 
+def check_body_size(plane, model: str, nbytes: int) -> None:
+    """413 for a body over the model's request size cap (its `[limits]
+    max_request_bytes`, else the daemon's `max_request_bytes`): the same
+    cap and message as a gRPC request gets, with the status REST clients
+    read as "too large"."""
+    if plane is None or not model or not isinstance(model, str):
+        return
+    try:
+        plane.check_request_size(model, nbytes)
+    except ResourceExhausted as exc:
+        raise BodyTooLarge(str(exc)) from None
+    except ModeldError:
+        return  # an unknown or misspelt model: the endpoint refuses it in its own words
+
+
+def _infer_model(request: Request) -> str:
+    """The model an inference route names in its path; "" elsewhere (loads
+    carry model files, bound by max_message_bytes only, as over gRPC)."""
+    return request.path_params.get("name", "") if request.url.path.endswith("/infer") else ""
+
+
 async def read_body(request: Request) -> bytes:
     """The request body, decompressed (gzip or deflate, as tritonclient can
     send it), refused as soon as it passes max_message_bytes."""
     limit = getattr(request.app.state, "max_message_bytes", None)
+    plane, model = getattr(request.app.state, "plane", None), _infer_model(request)
     declared = request.headers.get("content-length", "")
     if limit and declared.isdigit() and int(declared) > limit:
         raise _too_large(declared, limit)  # before reading a byte of it
+    if declared.isdigit():
+        check_body_size(plane, model, int(declared))
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -77,6 +101,7 @@ async def read_body(request: Request) -> bytes:
     body = b"".join(chunks)
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding in ("", "identity"):
+        check_body_size(plane, model, len(body))
         return body
     if encoding not in ("gzip", "deflate"):
         raise InvalidArgument(f"Content-Encoding {encoding!r} is not supported; send gzip, deflate or identity")
@@ -88,6 +113,7 @@ async def read_body(request: Request) -> bytes:
         raise InvalidArgument(f"the request body is not valid {encoding} data: {exc}") from None
     if limit and (len(data) > limit or inflater.unconsumed_tail):
         raise _too_large(f"more than {limit} (decompressed)", limit)
+    check_body_size(plane, model, len(data))
     return data
 
 

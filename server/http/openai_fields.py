@@ -21,8 +21,8 @@ from starlette.responses import JSONResponse, Response
 
 from modeld.backends.errors import ErrorKind, InvalidArgument, ModeldError
 from modeld.server.dataplane import DataPlane
-from modeld.server.http.common import CLIENT_GONE_STATUS, ClientGone, json_object, json_type_name, read_body, \
-    status_of_error
+from modeld.server.http.common import CLIENT_GONE_STATUS, ClientGone, check_body_size, json_object, json_type_name, \
+    read_body, status_of_error
 from modeld.server.request_context import internal_message
 
 log = structlog.get_logger("modeld.http.openai")
@@ -75,8 +75,10 @@ def takes_json_body(method):
     async def wrapper(self, request: Request) -> Response:
         model = ""
         try:
-            body = json_object(await read_body(request))  # max_message_bytes, as gRPC's limit
+            raw = await read_body(request)  # max_message_bytes, as gRPC's limit
+            body = json_object(raw)
             model = body.get("model") if isinstance(body.get("model"), str) else ""
+            check_body_size(self.plane, model, len(raw))  # and the model's request size cap, as gRPC's
             return await method(self, request, body)
         except ClientGone:
             self.plane.count_failure(model, ErrorKind.CANCELLED)

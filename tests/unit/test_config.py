@@ -77,6 +77,7 @@ grpc_port = 1111
 metrics_port = 1112
 memory_budget = "1GiB"
 host = "file-host"
+insecure = true
 """)
     environ = {"MODELD_GRPC_PORT": "2221", "MODELD_METRICS_PORT": "2222", "MODELD_HOST": "env-host"}
     flags = {"grpc_port": 3331, "memory_budget": None}  # None: the flag was not given
