@@ -21,6 +21,7 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_N = 16
 MAX_CONSTRAINT_BYTES = 64 * 1024
+MAX_CHOICES = 256  # strings in a choice constraint
 
 
 class ConstraintKind(Enum):
