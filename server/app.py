@@ -108,7 +108,7 @@ class Daemon:
         if settings.auth_token_file is not None:
             from modeld.server.auth import Authenticator
 
-            self.auth = Authenticator(settings.auth_token_file)
+            self.auth = Authenticator(settings.auth_token_file, registry=self.metrics.registry)
 
     def _on_model_state(self, name: str, state: ModelState) -> None:
         status = _HEALTH_BY_STATE.get(state, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -23,6 +23,7 @@ from modeld.backends.errors import ErrorKind, InvalidArgument, ModeldError, Reso
 from modeld.backends.generation.params import FinalEvent, GenerateRequest, TokenEvent
 from modeld.backends.model_config import ModelConfig, ModelKind, TensorSpec
 from modeld.backends.sizes import format_size
+from modeld.server import tenants
 from modeld.server.backend_health import UnhealthyBackend
 from modeld.server.engine import MODEL_VERSION, Engine, ServedModel
 from modeld.server.lifecycle import Lifecycle
@@ -206,11 +207,12 @@ class DataPlane:
         return served.config if served is not None else self.engine.repository.resolve(model).config
 
     async def infer(self, request: InferRequest) -> InferResult:
-        return await self.engine.infer(request)
+        return await self.engine.infer(tenants.with_allowed_priority(request))
 
     def generate(self, request: GenerateRequest,
                  timeout_s: float | None = None) -> AsyncIterator[TokenEvent | FinalEvent]:
-        return self.engine.generate(request, timeout_s)
+        # the call's tenant (set by the token check) is charged each token as it streams
+        return tenants.metered(self.engine.generate(tenants.with_allowed_priority(request), timeout_s))
 
     async def tokenize(self, name: str, text: str) -> list[int]:
         return await self.engine.tokenize(name, text)

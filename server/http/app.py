@@ -62,6 +62,6 @@ def build_app(plane: DataPlane, max_message_bytes: int | None = None, authentica
         from modeld.server.auth import HttpAuthMiddleware
 
         # added first so it runs inside the request-id one: refusals carry an id too
-        app.add_middleware(HttpAuthMiddleware, authenticator=authenticator)
+        app.add_middleware(HttpAuthMiddleware, authenticator=authenticator, max_body_bytes=max_message_bytes)
     app.add_middleware(RequestIdMiddleware, lifecycle=plane.lifecycle)
     return app
