@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from modeld.backends.errors import InvalidArgument
+from modeld.backends.load_policy import LoadPolicy
 from modeld.backends.options import OPTIONS_BY_BACKEND, BackendOptions, parse_backend_options
 from modeld.backends.sizes import parse_size
 from modeld.backends.triton_config import triton_to_native
@@ -146,6 +147,9 @@ class ModelConfig:
     # [limits] max_request_bytes: None follows the daemon's max_request_bytes
     max_request_bytes: int | None = None
     isolation: Isolation | None = None  # None: the daemon's default
+    # the daemon's settings on what the model's files may reach; stamped by
+    # the engine at load, never read from a config (load_policy.py)
+    policy: LoadPolicy = LoadPolicy()
     # language models: a Jinja file in the model folder that replaces the
     # model's own chat template, and how its output is read back
     chat_template: str = ""
