@@ -28,6 +28,9 @@ DATATYPES = (
     "UINT64", "FP16", "FP32", "FP64", "BYTES", "BF16",
 )
 
+# where a model's `source` may point (server/store pulls it into its disk cache)
+STORE_SCHEMES = ("oci", "s3", "hf")
+
 MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
 
 
@@ -147,6 +150,9 @@ class ModelConfig:
     # [limits] max_request_bytes: None follows the daemon's max_request_bytes
     max_request_bytes: int | None = None
     isolation: Isolation | None = None  # None: the daemon's default
+    # `source = "oci://..."` (or s3://, hf://): the model's files come from a
+    # store, pulled into the daemon's disk cache on first load
+    source: str = ""
     # the daemon's settings on what the model's files may reach; stamped by
     # the engine at load, never read from a config (load_policy.py)
     policy: LoadPolicy = LoadPolicy()
@@ -195,7 +201,7 @@ def config_from_json(name: str, text: str) -> ModelConfig:
 
 _KNOWN_KEYS = {
     "format", "backends", "artifact", "batching", "memory_estimate", "warmup",
-    "pinned", "lazy_load", "inputs", "outputs", "text", "name", "kind", "rerank", "limits", "isolation",
+    "pinned", "lazy_load", "inputs", "outputs", "text", "name", "kind", "rerank", "limits", "isolation", "source",
     "chat_template", "tool_parser", "reasoning_parser", *OPTIONS_BY_BACKEND,
 }
 
@@ -239,11 +245,20 @@ def config_from_dict(name: str, raw: dict[str, Any]) -> ModelConfig:
         rerank=rerank,
         max_request_bytes=_limits(name, reader.table("limits")),
         isolation=_isolation(reader),
+        source=_source(reader),
         chat_template=_safe_relative(name, reader.str("chat_template", ""), "chat_template"),
         tool_parser=reader.enum("tool_parser", ToolParser, ToolParser.HERMES),
         reasoning_parser=(reader.enum("reasoning_parser", ReasoningParser, ReasoningParser.THINK)
                           if "reasoning_parser" in raw else None),
     )
+
+
+def _source(reader: _Reader) -> str:
+    source = reader.str("source", "")
+    if source and source.partition("://")[0] not in STORE_SCHEMES:
+        raise InvalidArgument(f"model {reader.model!r}: config key source must be a URI with scheme "
+                              + ", ".join(f"{s}://" for s in STORE_SCHEMES) + f"; got {source[:120]!r}")
+    return source
 
 
 def _isolation(reader: _Reader) -> Isolation | None:
