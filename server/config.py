@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,14 @@ class Settings:
     tls_key: Path | None = None
     tls_client_ca: Path | None = None  # mutual TLS: clients need a certificate this CA signed
     auth_token_file: Path | None = None  # lines of '<token> <role>'; set, every call but probes needs a token
+    # what a model's own config and files may reach (backends/load_policy.py):
+    # environment variables a [remote] api_key_env may name (none: no key leaves),
+    # the hosts remote engines may be at (none: any but link-local and metadata),
+    # genai_config.json keys that load code, and where IREE keeps compiled modules
+    remote_api_key_envs: tuple[str, ...] = ()
+    remote_allowed_hosts: tuple[str, ...] = ()
+    onnx_genai_allowed_keys: tuple[str, ...] = ()
+    iree_cache_dir: Path | None = None  # None: $XDG_CACHE_HOME/modeld/iree (~/.cache/modeld/iree)
     # a host other than loopback needs auth_token_file unless this is set (server/limits.py, is_loopback)
     insecure: bool = False
     # what one caller may hold (server/limits.py); each refusal names its setting
@@ -88,6 +97,12 @@ class Settings:
         from modeld.server.limits import RequestLimits
 
         return RequestLimits(self.max_embedding_inputs, self.stream_infer_window, self.inline_disk_quota)
+
+    def load_policy(self):
+        from modeld.backends.load_policy import LoadPolicy
+
+        return LoadPolicy(frozenset(self.remote_api_key_envs), self.remote_allowed_hosts,
+                          frozenset(self.onnx_genai_allowed_keys), str(self.iree_cache_dir or ""))
 
     def describe(self) -> str:
         return (f"repository={self.model_repository} grpc={self.host}:{self.grpc_port} "
@@ -121,6 +136,10 @@ _PARSERS = {
     "tls_key": lambda v: _optional_path(v),
     "tls_client_ca": lambda v: _optional_path(v),
     "auth_token_file": lambda v: _optional_path(v),
+    "remote_api_key_envs": lambda v: _names(v),
+    "remote_allowed_hosts": lambda v: _names(v),
+    "onnx_genai_allowed_keys": lambda v: _names(v),
+    "iree_cache_dir": lambda v: _optional_path(v),
     "insecure": lambda v: _parse_bool(v),
     "max_concurrent_rpcs": int,
     "max_streams_per_connection": int,
@@ -129,6 +148,14 @@ _PARSERS = {
     "stream_infer_window": int,
     "inline_disk_quota": parse_size,
 }
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    """A TOML list, or a comma-separated string (a flag, an environment variable)."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+        raise ValueError("not a list of names")
+    return tuple(i.strip() for i in items if i.strip())
 
 
 def _optional_path(value: Any) -> Path | None:
@@ -265,6 +292,8 @@ def _validate(s: Settings) -> None:
         ("worker_restart_backoff_s", s.worker_restart_backoff_s >= 0, "worker_restart_backoff_s must not be negative"),
         ("worker_restart_backoff_max_s", s.worker_restart_backoff_max_s >= s.worker_restart_backoff_s,
          "worker_restart_backoff_max_s must be at least worker_restart_backoff_s"),
+        ("remote_api_key_envs", all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in s.remote_api_key_envs),
+         "remote_api_key_envs must be environment variable names (letters, digits, '_'), comma-separated"),
     )
     for key, ok, message in checks:
         if not ok:
