@@ -150,6 +150,10 @@ class ModelConfig:
     # [limits] max_request_bytes: None follows the daemon's max_request_bytes
     max_request_bytes: int | None = None
     isolation: Isolation | None = None  # None: the daemon's default
+    # [embedding] matryoshka_dimensions: the shorter lengths its vectors keep
+    # their meaning at (a Matryoshka-trained model); /v1/embeddings'
+    # `dimensions` takes only these
+    matryoshka_dimensions: tuple[int, ...] = ()
     # `source = "oci://..."` (or s3://, hf://): the model's files come from a
     # store, pulled into the daemon's disk cache on first load
     source: str = ""
@@ -202,7 +206,7 @@ def config_from_json(name: str, text: str) -> ModelConfig:
 _KNOWN_KEYS = {
     "format", "backends", "artifact", "batching", "memory_estimate", "warmup",
     "pinned", "lazy_load", "inputs", "outputs", "text", "name", "kind", "rerank", "limits", "isolation", "source",
-    "chat_template", "tool_parser", "reasoning_parser", *OPTIONS_BY_BACKEND,
+    "embedding", "chat_template", "tool_parser", "reasoning_parser", *OPTIONS_BY_BACKEND,
 }
 
 
@@ -244,6 +248,7 @@ def config_from_dict(name: str, raw: dict[str, Any]) -> ModelConfig:
         kind=kind,
         rerank=rerank,
         max_request_bytes=_limits(name, reader.table("limits")),
+        matryoshka_dimensions=_matryoshka(name, reader.table("embedding")),
         isolation=_isolation(reader),
         source=_source(reader),
         chat_template=_safe_relative(name, reader.str("chat_template", ""), "chat_template"),
@@ -281,6 +286,17 @@ def _limits(model: str, limits: dict[str, Any]) -> int | None:
     if cap is not None and cap < 1:
         raise InvalidArgument(f"model {model!r}: config key limits.max_request_bytes must be at least 1 byte, got {cap}")
     return cap
+
+
+def _matryoshka(model: str, table: dict[str, Any]) -> tuple[int, ...]:
+    unknown = sorted(set(table) - {"matryoshka_dimensions"})
+    if unknown:
+        raise InvalidArgument(f"model {model!r}: unknown key embedding.{unknown[0]}; known keys: matryoshka_dimensions")
+    dims = table.get("matryoshka_dimensions", [])
+    if not isinstance(dims, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims):
+        raise InvalidArgument(f"model {model!r}: config key embedding.matryoshka_dimensions must be a list of "
+                              f"positive integers, got {dims!r}")
+    return tuple(sorted(set(dims)))
 
 
 def _check_remote(model: str, declared: ModelFormat, has_table: bool, options: BackendOptions) -> None:
