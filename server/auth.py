@@ -376,20 +376,32 @@ _GRPC_CODES = {Refusal.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
                Refusal.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED}
 RETRY_AFTER = "retry-after"
 
-# The request field that names the model, per method: a tenant's `models`
-# list is checked against it once the request is parsed.
+# The request field that names the model, per method (its name, and its
+# number for a handler that takes the request's bytes and parses them
+# itself): a tenant's `models` list is checked against it.
 _MODEL_FIELD = {
-    _INFERENCE + "ModelReady": "name",
-    _INFERENCE + "ModelMetadata": "name",
-    _INFERENCE + "ModelInfer": "model_name",
-    _INFERENCE + "ModelStreamInfer": "model_name",
-    _INFERENCE + "ModelStatistics": "name",
-    _INFERENCE + "RepositoryModelLoad": "model_name",
-    _INFERENCE + "RepositoryModelUnload": "model_name",
-    "/modeld.v1.Generation/Generate": "model",
-    "/modeld.v1.Generation/Tokenize": "model",
-    "/modeld.v1.Generation/Detokenize": "model",
+    _INFERENCE + "ModelReady": ("name", 1),
+    _INFERENCE + "ModelMetadata": ("name", 1),
+    _INFERENCE + "ModelInfer": ("model_name", 1),
+    _INFERENCE + "ModelStreamInfer": ("model_name", 1),
+    _INFERENCE + "ModelStatistics": ("name", 1),
+    _INFERENCE + "RepositoryModelLoad": ("model_name", 2),
+    _INFERENCE + "RepositoryModelUnload": ("model_name", 2),
+    "/modeld.v1.Generation/Generate": ("model", 1),
+    "/modeld.v1.Generation/Tokenize": ("model", 1),
+    "/modeld.v1.Generation/Detokenize": ("model", 1),
 }
+
+
+def _model_of(request, field: tuple[str, int]) -> str:
+    if isinstance(request, (bytes, bytearray, memoryview)):
+        from modeld.server.gateway.wire import WireError, string_field  # the reader the gateway routes by
+
+        try:
+            return string_field(bytes(request), field[1])
+        except WireError:
+            return ""  # the handler refuses the bytes in its own words
+    return getattr(request, field[0], "") or ""
 
 
 def _metadata_value(metadata, key: str) -> str | None:
@@ -450,7 +462,7 @@ def _tenant_handler(handler: grpc.RpcMethodHandler, tenant: Tenant, method: str)
 
     def check(request) -> None:
         if model_field is not None:
-            tenant.check_model(getattr(request, model_field, "") or "")
+            tenant.check_model(_model_of(request, model_field))
 
     async def checked(requests, context):
         async for request in requests:
