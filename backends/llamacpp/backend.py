@@ -11,7 +11,8 @@ from modeld.backends.errors import LoadFailed
 from modeld.backends.generation.executor import StepExecutor
 from modeld.backends.generation.interface import SlotWork, StepPlan
 from modeld.backends.generation.loop import GenerationLoop, GenerationObserver
-from modeld.backends.generation.params import ChatMessage
+from modeld.backends.generation.chat_template import ChatTemplate, model_chat_template, render_chat
+from modeld.backends.generation.params import ChatMessage, ToolSpec
 from modeld.backends.generation.scheduler import admission_from
 from modeld.backends.generation.slot_scheduler import SlotConfig, SlotScheduler
 from modeld.backends.model_config import ModelConfig, ModelFormat, TensorSpec
@@ -51,8 +52,8 @@ class LlamaCppBackend(Backend):
 
 
 class LlamaExecutor(StepExecutor):
-    def __init__(self, model, context) -> None:
-        self.model, self.context = model, context
+    def __init__(self, model, context, chat_template: ChatTemplate | None = None) -> None:
+        self.model, self.context, self.chat_template = model, context, chat_template
         self.vocab_size = model.vocab_size
 
     def run(self, plan: StepPlan[SlotWork]):
@@ -67,8 +68,8 @@ class LlamaExecutor(StepExecutor):
     def is_end_of_generation(self, token_id: int) -> bool:
         return self.model.is_end_of_generation(token_id)
 
-    def apply_chat_template(self, messages: tuple[ChatMessage, ...]) -> str:
-        return self.model.apply_chat_template(messages)
+    def apply_chat_template(self, messages: tuple[ChatMessage, ...], tools: tuple[ToolSpec, ...] = ()) -> str:
+        return render_chat(self.chat_template, messages, tools)
 
 
 class LlamaGenerativeModel(GenerativeModel):
@@ -80,6 +81,14 @@ class LlamaGenerativeModel(GenerativeModel):
         path = model_dir / config.artifact_path
         rss_before = process_rss()
         self.llama_model = LlamaModel(path)
+        try:
+            # the model's own Jinja template (GGUF metadata), run as transformers
+            # runs it, rather than llama.cpp's built-in matcher, which knows no tools
+            template = model_chat_template(config.chat_template, model_dir, self.llama_model.chat_template_source(),
+                                           self.llama_model.special_tokens())
+        except BaseException:
+            self.llama_model.close()
+            raise
         self.context = LlamaContext(self.llama_model, n_ctx, n_slots, step, threads)
         kv_bytes = n_ctx * self.llama_model.kv_bytes_per_token()
         # mmap'd weights count once touched; the KV cache is allocated at once
@@ -91,7 +100,7 @@ class LlamaGenerativeModel(GenerativeModel):
             max_step_tokens=step, max_prefill_tokens=options.max_prefill_tokens, max_waiting=options.max_waiting,
             admission=admission_from(options),
         ))
-        self.runner = LlamaExecutor(self.llama_model, self.context)
+        self.runner = LlamaExecutor(self.llama_model, self.context, template)
         self.draft = self._load_draft(options, n_ctx, n_slots, step, threads)
         if self.draft is not None:
             self.nbytes += self.draft.nbytes

@@ -15,7 +15,6 @@ import numpy as np
 
 from modeld.backends.errors import BackendFailure, InvalidArgument, LoadFailed
 from modeld.backends.generation.interface import SlotWork, StepPlan
-from modeld.backends.generation.params import ChatMessage
 from modeld.backends.generation.slots import KvOpKind
 
 
@@ -83,24 +82,28 @@ class LlamaModel:
     def is_end_of_generation(self, token_id: int) -> bool:
         return bool(_llama().llama_vocab_is_eog(self.vocab, token_id))
 
-    def apply_chat_template(self, messages: tuple[ChatMessage, ...]) -> str:
+    def chat_template_source(self) -> str:
+        """The GGUF metadata's tokenizer.chat_template ("" when it has none)."""
+        template = _llama().llama_model_chat_template(self.model, None)
+        return template.decode("utf-8", errors="replace") if template else ""
+
+    def special_tokens(self) -> dict[str, str]:
+        """bos_token, eos_token, unk_token and pad_token as text, the names HF's
+        special_tokens_map gives chat templates."""
         llama = _llama()
-        template = llama.llama_model_chat_template(self.model, None)
-        if not template:
-            raise InvalidArgument("this model has no chat template in its GGUF metadata; send a prompt instead")
-        keep = [(m.role.encode(), m.content.encode()) for m in messages]
-        chat = (llama.llama_chat_message * len(keep))()
-        for i, (role, content) in enumerate(keep):
-            chat[i].role, chat[i].content = role, content
-        size = 4 * sum(len(c) + len(r) for r, c in keep) + 1024
-        buffer = ctypes.create_string_buffer(size)
-        count = llama.llama_chat_apply_template(template, chat, len(keep), True, buffer, size)
-        if count < 0:
-            raise InvalidArgument("the model's chat template could not be applied to these messages")
-        if count > size:
-            buffer = ctypes.create_string_buffer(count + 1)
-            count = llama.llama_chat_apply_template(template, chat, len(keep), True, buffer, count + 1)
-        return buffer.raw[:count].decode("utf-8", errors="replace")
+        ids = {"bos_token": llama.llama_vocab_bos(self.vocab), "eos_token": llama.llama_vocab_eos(self.vocab),
+               "unk_token": self._meta_int("tokenizer.ggml.unknown_token_id"),
+               "pad_token": llama.llama_vocab_pad(self.vocab)}
+        return {name: llama.llama_vocab_get_text(self.vocab, i).decode("utf-8", errors="replace")
+                for name, i in ids.items() if 0 <= i < self.vocab_size}
+
+    def _meta_int(self, key: str) -> int:
+        buffer = ctypes.create_string_buffer(32)
+        count = _llama().llama_model_meta_val_str(self.model, key.encode(), buffer, 32)
+        try:
+            return int(buffer.value) if count > 0 else -1
+        except ValueError:
+            return -1
 
     def close(self) -> None:
         if self.model:

@@ -17,13 +17,14 @@ import structlog
 
 from modeld.backends.base import Backend, Capability, GenerativeModel, Verdict
 from modeld.backends.compute_thread import COMPUTE_THREAD
-from modeld.backends.errors import InvalidArgument, LoadFailed
+from modeld.backends.errors import LoadFailed
 from modeld.backends.generation.executor import StepExecutor
 from modeld.backends.generation.interface import PagedWork, StepPlan
 from modeld.backends.generation.loop import GenerationLoop
 from modeld.backends.generation.paged_scheduler import PagedConfig, PagedScheduler
 from modeld.backends.generation.scheduler import admission_from
-from modeld.backends.generation.params import ChatMessage
+from modeld.backends.generation.chat_template import ChatTemplate, model_chat_template, render_chat
+from modeld.backends.generation.params import ChatMessage, ToolSpec
 from modeld.backends.model_config import ModelConfig, ModelFormat, TensorSpec
 
 log = structlog.get_logger("modeld.torch")
@@ -106,6 +107,7 @@ class TorchExecutor(StepExecutor):
         self.eos = set(args.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self.k_caches, self.v_caches = model.new_kv_caches(num_blocks * block_size)
         self.kv_bytes = tensor_bytes(self.k_caches + self.v_caches)
+        self.chat_template: ChatTemplate | None = None
         self._pieces: dict[int, bytes] = {}
 
     def run(self, plan: StepPlan[PagedWork]) -> np.ndarray:
@@ -128,11 +130,8 @@ class TorchExecutor(StepExecutor):
     def is_end_of_generation(self, token_id: int) -> bool:
         return token_id in self.eos
 
-    def apply_chat_template(self, messages: tuple[ChatMessage, ...]) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidArgument("this model has no chat template; send a prompt instead")
-        return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
-                                                  tokenize=False, add_generation_prompt=True)
+    def apply_chat_template(self, messages: tuple[ChatMessage, ...], tools: tuple[ToolSpec, ...] = ()) -> str:
+        return render_chat(self.chat_template, messages, tools)
 
 
 _BYTE_DECODER: dict[str, int] | None = None
@@ -222,6 +221,10 @@ class TorchGenerativeModel(GenerativeModel):
                                   context_length)
         args = self.model.args
         self.tokenizer = load_tokenizer(config, model_dir)
+        # the tokenizer's template (a GGUF's metadata), rendered by the same
+        # code as llama.cpp's, so both backends build the same prompt
+        template = model_chat_template(config.chat_template, model_dir, getattr(self.tokenizer, "chat_template", None)
+                                       or "", self.tokenizer.special_tokens_map)
         block_size = options.block_size
         self.scheduler = PagedScheduler(PagedConfig(
             num_blocks=options.num_blocks, block_size=block_size,
@@ -230,6 +233,7 @@ class TorchGenerativeModel(GenerativeModel):
             max_waiting=options.max_waiting, admission=admission_from(options),
         ))
         self.runner = TorchExecutor(self.model, self.tokenizer, self.scheduler.config.num_blocks, block_size, device)
+        self.runner.chat_template = template
         if options.compile:
             _compile(self.model, self.runner.k_caches, self.runner.v_caches, block_size, device)
         self.nbytes = tensor_bytes(self.model.parameters()) + self.runner.kv_bytes
