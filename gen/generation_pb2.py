@@ -25,17 +25,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _modeld_pool.POOL.AddSerializedFile(b'\n\x10generation.proto\x12\tmodeld.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.modeld.v1.ChatMessage\"\xe7\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x15\n\x08logprobs\x18\t \x01(\rH\x06\x88\x01\x01\x12\x19\n\x0c\x63\x61\x63he_prompt\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0b \x01(\x08H\x08\x88\x01\x01\x12/\n\x0bspeculative\x18\x0c \x01(\x0e\x32\x1a.modeld.v1.SpeculativeMode\x12#\n\x16num_speculative_tokens\x18\r \x01(\rH\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x0f\n\r_cache_promptB\r\n\x0b_ignore_eosB\x19\n\x17_num_speculative_tokens\"\xd1\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.modeld.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x04 \x01(\x0b\x32\x17.modeld.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.modeld.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\rB\x07\n\x05input\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\":\n\x0bTopLogprobs\x12+\n\ncandidates\x18\x01 \x03(\x0b\x32\x17.modeld.v1.TokenLogprob\"\xa7\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x06 \x01(\x01\"\xec\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.modeld.v1.TokenLogprob\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.modeld.v1.TopLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.modeld.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.modeld.v1.Usage\x12\r\n\x05\x65rror\x18\x07 \x01(\t\".\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t*U\n\x0fSpeculativeMode\x12\x14\n\x10SPECULATIVE_NONE\x10\x00\x12\x15\n\x11SPECULATIVE_NGRAM\x10\x01\x12\x15\n\x11SPECULATIVE_DRAFT\x10\x02*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xe3\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.modeld.v1.GenerateRequest\x1a\x1b.modeld.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.modeld.v1.TokenizeRequest\x1a\x1b.modeld.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.modeld.v1.DetokenizeRequest\x1a\x1d.modeld.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _modeld_pool.POOL.AddSerializedFile(b'\n\x10generation.proto\x12\tmodeld.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.modeld.v1.ChatMessage\"\xce\x07\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x15\n\x08logprobs\x18\t \x01(\rH\x06\x88\x01\x01\x12\x19\n\x0c\x63\x61\x63he_prompt\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0b \x01(\x08H\x08\x88\x01\x01\x12/\n\x0bspeculative\x18\x0c \x01(\x0e\x32\x1a.modeld.v1.SpeculativeMode\x12#\n\x16num_speculative_tokens\x18\r \x01(\rH\t\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x02H\n\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0f \x01(\x02H\x0b\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x0c\x88\x01\x01\x12<\n\nlogit_bias\x18\x11 \x03(\x0b\x32(.modeld.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x12 \x01(\rH\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x0e\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x14 \x01(\x08H\x0f\x88\x01\x01\x12)\n\nconstraint\x18\x15 \x01(\x0b\x32\x15.modeld.v1.Constraint\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x0f\n\r_cache_promptB\r\n\x0b_ignore_eosB\x19\n\x17_num_speculative_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokensB\x1d\n\x1b_include_stop_str_in_output\"\x9c\x01\n\nConstraint\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.modeld.v1.ChoiceListH\x00\x12\x0e\n\x04lark\x18\x05 \x01(\tH\x00\x12\x0e\n\x04gbnf\x18\x06 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xdc\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.modeld.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x04 \x01(\x0b\x32\x17.modeld.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.modeld.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\r\x12\t\n\x01n\x18\x07 \x01(\rB\x07\n\x05input\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\":\n\x0bTopLogprobs\x12+\n\ncandidates\x18\x01 \x03(\x0b\x32\x17.modeld.v1.TokenLogprob\"\xa7\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x06 \x01(\x01\"\xfb\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.modeld.v1.TokenLogprob\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.modeld.v1.TopLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.modeld.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.modeld.v1.Usage\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\r\n\x05index\x18\x08 \x01(\r\".\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t*U\n\x0fSpeculativeMode\x12\x14\n\x10SPECULATIVE_NONE\x10\x00\x12\x15\n\x11SPECULATIVE_NGRAM\x10\x01\x12\x15\n\x11SPECULATIVE_DRAFT\x10\x02*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xe3\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.modeld.v1.GenerateRequest\x1a\x1b.modeld.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.modeld.v1.TokenizeRequest\x1a\x1b.modeld.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.modeld.v1.DetokenizeRequest\x1a\x1d.modeld.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPECULATIVEMODE']._serialized_start=1560
-  _globals['_SPECULATIVEMODE']._serialized_end=1645
-  _globals['_FINISHREASON']._serialized_start=1648
-  _globals['_FINISHREASON']._serialized_end=1797
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_SPECULATIVEMODE']._serialized_start=2263
+  _globals['_SPECULATIVEMODE']._serialized_end=2348
+  _globals['_FINISHREASON']._serialized_start=2351
+  _globals['_FINISHREASON']._serialized_end=2500
   _globals['_CHATMESSAGE']._serialized_start=31
   _globals['_CHATMESSAGE']._serialized_end=75
   _globals['_TOKENIDS']._serialized_start=77
@@ -43,25 +45,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=102
   _globals['_CHATMESSAGES']._serialized_end=158
   _globals['_SAMPLINGPARAMS']._serialized_start=161
-  _globals['_SAMPLINGPARAMS']._serialized_end=648
-  _globals['_GENERATEREQUEST']._serialized_start=651
-  _globals['_GENERATEREQUEST']._serialized_end=860
-  _globals['_TOKENLOGPROB']._serialized_start=862
-  _globals['_TOKENLOGPROB']._serialized_end=911
-  _globals['_TOPLOGPROBS']._serialized_start=913
-  _globals['_TOPLOGPROBS']._serialized_end=971
-  _globals['_USAGE']._serialized_start=974
-  _globals['_USAGE']._serialized_end=1141
-  _globals['_GENERATERESPONSE']._serialized_start=1144
-  _globals['_GENERATERESPONSE']._serialized_end=1380
-  _globals['_TOKENIZEREQUEST']._serialized_start=1382
-  _globals['_TOKENIZEREQUEST']._serialized_end=1428
-  _globals['_TOKENIZERESPONSE']._serialized_start=1430
-  _globals['_TOKENIZERESPONSE']._serialized_end=1467
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1469
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1522
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1524
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1558
-  _globals['_GENERATION']._serialized_start=1800
-  _globals['_GENERATION']._serialized_end=2027
+  _globals['_SAMPLINGPARAMS']._serialized_end=1135
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=809
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=857
+  _globals['_CONSTRAINT']._serialized_start=1138
+  _globals['_CONSTRAINT']._serialized_end=1294
+  _globals['_CHOICELIST']._serialized_start=1296
+  _globals['_CHOICELIST']._serialized_end=1325
+  _globals['_GENERATEREQUEST']._serialized_start=1328
+  _globals['_GENERATEREQUEST']._serialized_end=1548
+  _globals['_TOKENLOGPROB']._serialized_start=1550
+  _globals['_TOKENLOGPROB']._serialized_end=1599
+  _globals['_TOPLOGPROBS']._serialized_start=1601
+  _globals['_TOPLOGPROBS']._serialized_end=1659
+  _globals['_USAGE']._serialized_start=1662
+  _globals['_USAGE']._serialized_end=1829
+  _globals['_GENERATERESPONSE']._serialized_start=1832
+  _globals['_GENERATERESPONSE']._serialized_end=2083
+  _globals['_TOKENIZEREQUEST']._serialized_start=2085
+  _globals['_TOKENIZEREQUEST']._serialized_end=2131
+  _globals['_TOKENIZERESPONSE']._serialized_start=2133
+  _globals['_TOKENIZERESPONSE']._serialized_end=2170
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2172
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2225
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2227
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2261
+  _globals['_GENERATION']._serialized_start=2503
+  _globals['_GENERATION']._serialized_end=2730
 # @@protoc_insertion_point(module_scope)

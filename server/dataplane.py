@@ -15,12 +15,14 @@ MemoryFigures), never the engine's live ServedModel.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import importlib.metadata
 from dataclasses import dataclass
 from typing import AsyncIterator, Mapping
 
 from modeld.backends.errors import ErrorKind, InvalidArgument, ModeldError, ResourceExhausted
-from modeld.backends.generation.params import FinalEvent, GenerateRequest, TokenEvent
+from modeld.backends.generation.params import MAX_N, FinalEvent, GenerateRequest, TokenEvent
 from modeld.backends.model_config import ModelConfig, ModelKind, TensorSpec
 from modeld.backends.sizes import format_size
 from modeld.server import tenants
@@ -60,6 +62,7 @@ class ModelMetadata:
     outputs: tuple[TensorSpec, ...]
     max_batch_size: int  # 0: not batched
     version: str = MODEL_VERSION
+    matryoshka_dimensions: tuple[int, ...] = ()  # shorter vector lengths an embedding model declares
 
     @property
     def platform(self) -> str:
@@ -99,6 +102,7 @@ class DataPlane:
         self.engine = engine
         self.lifecycle = lifecycle if lifecycle is not None else Lifecycle()
         self.max_request_bytes = max_request_bytes  # a model's cap unless its [limits] sets one
+        self._tokenizers: dict[tuple[str, int], object] = {}  # count_text_tokens', by model and load
         self.limits = limits if limits is not None else RequestLimits()  # what one caller may ask, every front
 
     # -- the server -----------------------------------------------------------
@@ -214,8 +218,47 @@ class DataPlane:
         # the call's tenant (set by the token check) is charged each token as it streams
         return tenants.metered(self.engine.generate(tenants.with_allowed_priority(request), timeout_s))
 
+    def generate_choices(self, request: GenerateRequest, n: int,
+                         timeout_s: float | None = None) -> AsyncIterator[tuple[int, TokenEvent | FinalEvent]]:
+        """`n` generations of one request, their events merged as they come
+        and tagged with the choice's index. Choice i samples with seed + i
+        (so each is reproducible; a request without a seed gets independent
+        choices). The n sequences reach the engine together, so it computes
+        their shared prompt once. A failure of any choice fails them all;
+        closing the iterator (a client that left) cancels every one."""
+        if not 1 <= n <= MAX_N:
+            raise InvalidArgument(f"n must be in [1, {MAX_N}] (choices per request), got {n}")
+        if n == 1:
+            return _tagged(self.generate(request, timeout_s))
+        seed = request.params.seed
+        requests = [dataclasses.replace(
+            request, request_id=f"{request.request_id}-{i}" if request.request_id else "",
+            params=request.params if seed is None else dataclasses.replace(request.params, seed=(seed + i) % 2**64))
+            for i in range(n)]
+        return _merged([self.generate(r, timeout_s) for r in requests])
+
     async def tokenize(self, name: str, text: str) -> list[int]:
         return await self.engine.tokenize(name, text)
+
+    def count_text_tokens(self, name: str, texts: list[str]) -> int | None:
+        """Tokens a text model's `[text]` tokenizer makes of `texts`, as its
+        graph sees them (truncated to max_length); None for a model without
+        one. The backend tokenizes inside itself (a worker process, maybe)
+        and reports no count, so the front's usage counts here."""
+        served = self.engine.served(name)
+        spec = served.config.text if served is not None else None
+        if spec is None:
+            return None
+        key = (name, id(served))
+        tokenizer = self._tokenizers.get(key)
+        if tokenizer is None:
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(served.source.model_dir / spec.tokenizer))
+            tokenizer.enable_truncation(max_length=spec.max_length)
+            self._tokenizers = {k: v for k, v in self._tokenizers.items() if k[0] != name}  # a reload's replaces it
+            self._tokenizers[key] = tokenizer
+        return sum(len(e.ids) for e in tokenizer.encode_batch(texts))
 
     async def detokenize(self, name: str, token_ids: list[int]) -> str:
         return await self.engine.detokenize(name, token_ids)
@@ -250,7 +293,8 @@ class DataPlane:
 def _metadata(served: ServedModel) -> ModelMetadata:
     config = served.config
     return ModelMetadata(config.name, served.backend.name, config.kind, served.is_generative,
-                         tuple(served.loaded.inputs), tuple(served.loaded.outputs), config.max_batch_size)
+                         tuple(served.loaded.inputs), tuple(served.loaded.outputs), config.max_batch_size,
+                         matryoshka_dimensions=config.matryoshka_dimensions)
 
 
 def _nbytes(served: ServedModel | None) -> int | None:
@@ -264,3 +308,46 @@ def _load_of(status: ModelStatus, stats: ModelStats, memory_bytes: int, served: 
         step = served.generation.latest
         return ModelLoad(status, stats, memory_bytes, step.num_waiting, step.kv_used, step.kv_capacity)
     return ModelLoad(status, stats, memory_bytes)
+
+
+async def _tagged(events: AsyncIterator[TokenEvent | FinalEvent]) -> AsyncIterator[tuple[int, TokenEvent | FinalEvent]]:
+    try:
+        async for event in events:
+            yield 0, event
+    finally:
+        await events.aclose()
+
+
+_DONE = object()
+
+
+async def _merged(streams: list[AsyncIterator[TokenEvent | FinalEvent]]) -> AsyncIterator[tuple[int, TokenEvent | FinalEvent]]:
+    """Each stream read by its own task into one queue, so a slow choice
+    never holds back another; the first failure is raised and ends all."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, events: AsyncIterator[TokenEvent | FinalEvent]) -> None:
+        try:
+            async for event in events:
+                await queue.put((index, event))
+            await queue.put((index, _DONE))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, who raises it
+            await queue.put((index, exc))
+        finally:
+            await events.aclose()
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is _DONE:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

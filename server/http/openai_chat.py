@@ -1,5 +1,6 @@
-"""/v1/chat/completions and /v1/completions: one generation, answered as
-one JSON object or as server-sent events, in OpenAI's shapes."""
+"""/v1/chat/completions and /v1/completions: one generation (n choices of
+it), answered as one JSON object or as server-sent events, in OpenAI's
+shapes."""
 
 from __future__ import annotations
 
@@ -73,11 +74,14 @@ class _Logprobs:
         return out
 
 
-def _usage(final: FinalEvent) -> dict:
-    u = final.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+def _usage(finals: list[FinalEvent]) -> dict:
+    """The prompt once (the choices share it), the completions of every
+    sequence generated (best_of's discarded ones too, as OpenAI counts)."""
+    first = finals[0].usage
+    completion = sum(f.usage.completion_tokens for f in finals)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens}}
 
 
 def _finish_reason(final: FinalEvent) -> str:
@@ -87,18 +91,30 @@ def _finish_reason(final: FinalEvent) -> str:
     return reason
 
 
-async def _events(plane: DataPlane, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinalEvent]:
-    """The engine's events, without the final event of a failure (the
-    engine raises that failure right after it)."""
-    events = plane.generate(request)
+async def _events(plane: DataPlane, request: GenerateRequest,
+                  n: int) -> AsyncIterator[tuple[int, TokenEvent | FinalEvent]]:
+    """The engine's events of n choices, tagged with the choice, without
+    the final event of a failure (the engine raises that failure right
+    after it)."""
+    events = plane.generate_choices(request, n)
     try:
-        async for event in events:
+        async for index, event in events:
             if isinstance(event, FinalEvent) and event.error:
                 continue
-            yield event
+            yield index, event
     finally:
-        # whoever stops early (a client that left, an error) frees the sequence now
+        # whoever stops early (a client that left, an error) frees the sequences now
         await events.aclose()
+
+
+class _Choice:
+    """One choice's answer as it accumulates (JSON answers only)."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.logprobs: list = []
+        self.cumulative_logprob = 0.0
+        self.final: FinalEvent | None = None
 
 
 class _EventStream(StreamingResponse):
@@ -129,6 +145,8 @@ class _Generation:
         self.model = model_name(body)
         fields = generation_fields(body, chat)
         self.stream, self.include_usage, self.with_logprobs = fields.stream, fields.include_usage, fields.with_logprobs
+        self.n, self.best_of, self.echo = fields.n, fields.best_of, fields.echo
+        self.prompt_text = fields.prompt
         self.request_id = current_request_id()
         self.request = GenerateRequest(self.model, prompt=fields.prompt, token_ids=fields.token_ids,
                                        messages=fields.messages, params=fields.params, request_id=self.request_id,
@@ -139,7 +157,9 @@ class _Generation:
         self.object = "chat.completion" if chat else "text_completion"
 
     async def respond(self) -> Response:
-        events = _events(self.plane, self.request)
+        if self.echo and not self.prompt_text:  # a prompt of token ids echoes as its text
+            self.prompt_text = await self.plane.detokenize(self.model, list(self.request.token_ids))
+        events = _events(self.plane, self.request, self.best_of)
         if not self.stream:
             try:
                 return JSONResponse(await unless_client_leaves(self.http, self._whole(events)))
@@ -158,35 +178,47 @@ class _Generation:
     # -- one JSON answer
 
     async def _whole(self, events) -> dict:
-        text, logprobs, final = [], [], None
-        offset = 0
-        async for event in events:
+        choices = [_Choice() for _ in range(self.best_of)]
+        offsets = [len(self.prompt_text) if self.echo else 0] * self.best_of
+        async for index, event in events:
+            choice = choices[index]
             if isinstance(event, FinalEvent):
-                final = event
+                choice.final = event
                 continue
+            choice.cumulative_logprob += sum(lp.logprob for lp in event.logprobs)
             if self.with_logprobs:
-                logprobs.append(await (self.logprobs.chat(event) if self.chat else
-                                       self.logprobs.completion(event, offset)))
-            text.append(event.text)
-            offset += len(event.text)
-        text = "".join(text)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": {"content": [e for part in logprobs for e in part], "refusal": None}
-                      if self.with_logprobs else None}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": _merge(logprobs) if self.with_logprobs else None}
-        choice["finish_reason"] = _finish_reason(final)
+                choice.logprobs.append(await (self.logprobs.chat(event) if self.chat else
+                                              self.logprobs.completion(event, offsets[index])))
+            choice.text.append(event.text)
+            offsets[index] += len(event.text)
+        if any(c.final is None for c in choices):
+            raise Unavailable("a choice's generation ended without a final event; retry")
+        finals = [c.final for c in choices]
+        answered = choices
+        if self.best_of > self.n:  # OpenAI's best_of: the n most likely sequences, best first
+            answered = sorted(choices, key=lambda c: -c.cumulative_logprob)[:self.n]
+        out = []
+        for index, choice in enumerate(answered):
+            text = (self.prompt_text if self.echo else "") + "".join(choice.text)
+            if self.chat:
+                entry = {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
+                         "logprobs": {"content": [e for part in choice.logprobs for e in part], "refusal": None}
+                         if self.with_logprobs else None}
+            else:
+                entry = {"index": index, "text": text,
+                         "logprobs": _merge(choice.logprobs) if self.with_logprobs else None}
+            entry["finish_reason"] = _finish_reason(choice.final)
+            out.append(entry)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": _usage(final), "system_fingerprint": None}
+                "choices": out, "usage": _usage(finals), "system_fingerprint": None}
 
     # -- server-sent events
 
-    def _chunk(self, delta: dict | None, text: str, logprobs, finish_reason: str | None) -> dict:
+    def _chunk(self, delta: dict | None, text: str, logprobs, finish_reason: str | None, index: int = 0) -> dict:
         if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                  "created": self.created, "model": self.model, "choices": [choice], "system_fingerprint": None}
         if self.include_usage:
@@ -194,29 +226,34 @@ class _Generation:
         return chunk
 
     async def _chunks(self, first, events) -> AsyncIterator[bytes]:
-        offset = 0
+        offsets = [0] * self.n
+        finals: dict[int, FinalEvent] = {}
         try:
-            if self.chat:
-                yield _sse(self._chunk({"role": "assistant", "content": ""}, "", None, None))
-            event = first
+            for index in range(self.n):
+                if self.chat:
+                    yield _sse(self._chunk({"role": "assistant", "content": ""}, "", None, None, index))
+                elif self.echo:
+                    yield _sse(self._chunk(None, self.prompt_text, None, None, index))
+                    offsets[index] = len(self.prompt_text)
+            index, event = first
             while True:
                 if isinstance(event, FinalEvent):
-                    reason = _finish_reason(event)
-                    yield _sse(self._chunk({}, "", None, reason))
-                    if self.include_usage:
-                        yield _sse({**self._chunk(None, "", None, None), "choices": [], "usage": _usage(event)})
-                    yield _sse("[DONE]")
-                    return
-                logprobs = None
-                if not event.text and not self.with_logprobs:
-                    event = await anext(events)  # text held back (part of a character or of a stop string)
-                    continue
-                if self.with_logprobs:
-                    logprobs = ({"content": await self.logprobs.chat(event), "refusal": None} if self.chat
-                                else await self.logprobs.completion(event, offset))
-                yield _sse(self._chunk({"content": event.text}, event.text, logprobs, None))
-                offset += len(event.text)
-                event = await anext(events)
+                    finals[index] = event
+                    yield _sse(self._chunk({}, "", None, _finish_reason(event), index))
+                    if len(finals) == self.n:
+                        if self.include_usage:
+                            yield _sse({**self._chunk(None, "", None, None), "choices": [],
+                                        "usage": _usage([finals[i] for i in range(self.n)])})
+                        yield _sse("[DONE]")
+                        return
+                elif event.text or self.with_logprobs:  # else text held back (part of a character or a stop string)
+                    logprobs = None
+                    if self.with_logprobs:
+                        logprobs = ({"content": await self.logprobs.chat(event), "refusal": None} if self.chat
+                                    else await self.logprobs.completion(event, offsets[index]))
+                    yield _sse(self._chunk({"content": event.text}, event.text, logprobs, None, index))
+                    offsets[index] += len(event.text)
+                index, event = await anext(events)
         except StopAsyncIteration:
             yield _error_event(Unavailable("the generation ended without a final event; retry"), self.plane,
                                self.model)

@@ -27,18 +27,47 @@ async def embeddings(plane: DataPlane, body: dict) -> dict:
         raise FieldError("encoding_format", f"encoding_format must be float or base64, got {encoding!r}")
     dimensions = get_int(body, "dimensions")
     urgency = priority(body)
-    vectors = await _embed(plane, await plane.model(model), texts, urgency)
+    metadata = await plane.model(model)
+    if dimensions is not None:
+        _check_dimensions(metadata, dimensions)
+    vectors = await _embed(plane, metadata, texts, urgency)
     if dimensions is not None and dimensions != vectors.shape[1]:
-        raise FieldError("dimensions", f"model {model!r} gives {vectors.shape[1]} dimensions and cannot "
-                                       f"shorten them; leave dimensions out or send {vectors.shape[1]}")
+        vectors = _truncate(vectors, dimensions, model)
+    prompt_tokens = plane.count_text_tokens(model, texts) or 0
     return {
         "object": "list", "model": model,
         "data": [{"object": "embedding", "index": i, "embedding": _encode_vector(v, encoding)}
                  for i, v in enumerate(vectors)],
-        # the tokenizer runs inside the backend, which reports no token
-        # counts; 0 says "not counted" rather than a guess
-        "usage": {"prompt_tokens": 0, "total_tokens": 0},
+        # from the model's own [text] tokenizer; 0 where it has none
+        # (a graph that takes text some other way): not counted, not a guess
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
     }
+
+
+def _check_dimensions(model: ModelMetadata, dimensions: int) -> None:
+    """Before any vector is computed: the length must be one the model
+    declares (Matryoshka training), or its own."""
+    declared = model.matryoshka_dimensions
+    full = [t.shape[-1] for t in model.outputs if t.datatype == "FP32" and len(t.shape) == 2 and t.shape[-1] > 0]
+    if dimensions in declared or (full and dimensions == full[0]):
+        return
+    if not declared:
+        raise FieldError("dimensions", f"model {model.name!r} does not declare shorter embeddings (no "
+                                       "[embedding] matryoshka_dimensions in its model.toml), so its vectors cannot be "
+                                       f"truncated; leave dimensions out{f' or send {full[0]}' if full else ''}")
+    raise FieldError("dimensions", f"model {model.name!r} takes dimensions in {list(declared)}"
+                                   f"{f' or {full[0]}' if full else ''}, got {dimensions}")
+
+
+def _truncate(vectors: np.ndarray, dimensions: int, model: str) -> np.ndarray:
+    """Matryoshka truncation: the first `dimensions` values, re-normalised
+    to unit length (cosine similarity then stays a dot product)."""
+    if dimensions > vectors.shape[1]:
+        raise FieldError("dimensions", f"model {model!r} gives {vectors.shape[1]} dimensions; dimensions must not "
+                                       f"exceed that, got {dimensions}")
+    short = vectors[:, :dimensions]
+    norms = np.linalg.norm(short, axis=1, keepdims=True)
+    return (short / np.where(norms > 0, norms, 1.0)).astype(np.float32, copy=False)
 
 
 def _texts(body: dict) -> list[str]:

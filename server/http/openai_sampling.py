@@ -1,29 +1,43 @@
 """A chat or completion request's fields, read into the engine's terms:
-the sampling parameters, the messages or prompt, and the logprobs asked for.
+the sampling parameters, the messages or prompt, the logprobs and the
+number of choices asked for, and the constraint the output must match.
 
 The extensions beyond OpenAI's fields are in `_SAMPLING_EXTENSIONS` (vLLM
-spells them the same way).
+spells them the same way). A constraint comes from exactly one of
+OpenAI's `response_format`, vLLM's `structured_outputs` object or its
+older `guided_*` fields, or llama-server's `grammar` / `json_schema`
+(`_CONSTRAINT_FIELDS`); two at once are refused rather than one ignored.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from modeld.backends.errors import InvalidArgument
-from modeld.backends.generation.params import ChatMessage, SamplingParams, SpeculativeMode
+from modeld.backends.generation.params import (
+    MAX_CHOICES, MAX_N, ChatMessage, Constraint, ConstraintKind, SamplingParams, SpeculativeMode,
+)
 from modeld.server.http.common import json_type_name
 from modeld.server.http.openai_fields import (
     IGNORED, FieldError, check_fields, get_bool, get_field, get_int, get_number,
 )
 
-_SAMPLING_EXTENSIONS = {"top_k", "min_p", "ignore_eos", "priority", "speculative", "num_speculative_tokens"}
+_SAMPLING_EXTENSIONS = {"top_k", "min_p", "ignore_eos", "priority", "speculative", "num_speculative_tokens",
+                        "repetition_penalty", "min_tokens", "stop_token_ids", "skip_special_tokens",
+                        "include_stop_str_in_output", "prompt_logprobs"}
+# where a constraint may come from: OpenAI, vLLM (current and older), llama-server
+_CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar", "grammar", "json_schema")
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
-           "logprobs"} | IGNORED | _SAMPLING_EXTENSIONS
-_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format",
-                          "frequency_penalty", "presence_penalty", "logit_bias", "tools", "tool_choice"}
-_COMPLETION_FIELDS = _COMMON | {"prompt", "frequency_penalty", "presence_penalty", "logit_bias", "best_of", "echo",
-                                "suffix"}
+           "logprobs", "frequency_penalty", "presence_penalty", "logit_bias", *_CONSTRAINT_FIELDS} \
+    | IGNORED | _SAMPLING_EXTENSIONS
+_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
+_COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix"}
+_STRUCTURED_KEYS = {"json": "a JSON schema (object or JSON text)", "regex": "a regular expression",
+                    "choice": "an array of strings", "grammar": "a Lark or GBNF grammar",
+                    "json_object": "true"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _MAX_TOP_LOGPROBS = 20  # SamplingParams' bound
 
@@ -40,6 +54,10 @@ class GenerationFields:
     with_logprobs: bool
     top_logprobs: int
     params: SamplingParams
+    n: int = 1  # choices answered
+    best_of: int = 1  # sequences generated, the n with the highest cumulative logprob answered
+    echo: bool = False  # completions: the prompt's text leads each choice's text
+    constraint_field: str | None = None  # the field the constraint came from, for errors
 
 
 def generation_fields(body: dict, chat: bool) -> GenerationFields:
@@ -48,17 +66,48 @@ def generation_fields(body: dict, chat: bool) -> GenerationFields:
     stream = get_bool(body, "stream")
     include_usage = _stream_options(body, stream)
     if chat:
-        _response_format(body)
         messages, prompt, token_ids = _messages(body), "", ()
         with_logprobs, top = _chat_logprobs(body)
     else:
         messages = ()
         prompt, token_ids = _prompt(body)
         with_logprobs, top = _completion_logprobs(body)
+    n, best_of = _choices(body, stream)
+    echo = _echo(body, with_logprobs)
+    if body.get("prompt_logprobs") is not None:
+        raise FieldError("prompt_logprobs", "prompt_logprobs is not supported: the engines behind this server do not "
+                                            "report the prompt's own logprobs; leave it out")
+    constraint, constraint_field = _constraint(body)
     # the engine reports the chosen token's logprob only alongside at
-    # least one alternative; the extra one is dropped when encoding
-    params = _sampling(body, max(top, 1) if with_logprobs else 0)
-    return GenerationFields(stream, include_usage, messages, prompt, token_ids, with_logprobs, top, params)
+    # least one alternative; the extra one is dropped when encoding.
+    # best_of ranks its sequences by cumulative logprob, so it asks too.
+    logprobs = max(top, 1) if with_logprobs or best_of > n else 0
+    params = _sampling(body, logprobs, constraint)
+    return GenerationFields(stream, include_usage, messages, prompt, token_ids, with_logprobs, top, params,
+                            n, best_of, echo, constraint_field)
+
+
+def _choices(body: dict, stream: bool) -> tuple[int, int]:
+    n = get_int(body, "n", 1)
+    if not 1 <= n <= MAX_N:
+        raise FieldError("n", f"n must be in [1, {MAX_N}] (choices per request), got {n}")
+    best_of = get_int(body, "best_of")
+    if best_of is None:
+        return n, n
+    if not n <= best_of <= MAX_N:
+        raise FieldError("best_of", f"best_of must be in [n={n}, {MAX_N}], got {best_of}")
+    if best_of > n and stream:
+        raise FieldError("best_of", "best_of > n cannot stream: the best sequences are known only once all "
+                                    "have finished; send stream: false")
+    return n, best_of
+
+
+def _echo(body: dict, with_logprobs: bool) -> bool:
+    echo = get_bool(body, "echo")
+    if echo and with_logprobs:
+        raise FieldError("echo", "echo with logprobs needs the prompt's logprobs, which the engines behind this "
+                                 "server do not report; send echo without logprobs")
+    return echo
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -94,10 +143,7 @@ def _stream_options(body: dict, stream: bool) -> bool:
     return bool(include)
 
 
-def _sampling(body: dict, logprobs: int) -> SamplingParams:
-    if get_field(body, "n", (int,), "an integer", 1) != 1:
-        raise FieldError("n", f"n must be 1: this server returns one choice per request, got {body['n']}; "
-                              "send several requests for several choices")
+def _sampling(body: dict, logprobs: int, constraint: Constraint | None) -> SamplingParams:
     max_tokens = get_int(body, "max_tokens")
     max_completion_tokens = get_int(body, "max_completion_tokens")
     if max_tokens is not None and max_completion_tokens is not None and max_tokens != max_completion_tokens:
@@ -117,12 +163,19 @@ def _sampling(body: dict, logprobs: int) -> SamplingParams:
         "seed": get_int(body, "seed"),
         "ignore_eos": get_field(body, "ignore_eos", (bool,), "true or false"),
         "num_speculative_tokens": get_int(body, "num_speculative_tokens"),
+        "presence_penalty": get_number(body, "presence_penalty"),
+        "frequency_penalty": get_number(body, "frequency_penalty"),
+        "repetition_penalty": get_number(body, "repetition_penalty"),
+        "min_tokens": get_int(body, "min_tokens"),
+        "skip_special_tokens": get_field(body, "skip_special_tokens", (bool,), "true or false"),
+        "include_stop_str_in_output": get_field(body, "include_stop_str_in_output", (bool,), "true or false"),
     }
     # OpenAI's defaults where they differ from ours: temperature 1 and,
     # absent max_tokens, the engine's default length (SamplingParams)
     values["temperature"] = 1.0 if values["temperature"] is None else values["temperature"]
     params = SamplingParams(**{k: v for k, v in values.items() if v is not None}, stop=_stop(body),
-                            logprobs=logprobs, speculative=mode)
+                            stop_token_ids=_token_ids(body, "stop_token_ids"), logit_bias=_logit_bias(body),
+                            logprobs=logprobs, speculative=mode, constraint=constraint)
     try:
         params.validate()
     except InvalidArgument as exc:  # name the field as the client spelled it
@@ -202,8 +255,165 @@ def _completion_logprobs(body: dict) -> tuple[bool, int]:
     return top is not None, top or 0
 
 
-def _response_format(body: dict) -> None:
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise FieldError("response_format", "response_format is not supported (no JSON mode or schemas); only "
-                                            f"{{'type': 'text'}} is accepted, got {json.dumps(fmt)[:80]}")
+def _token_ids(body: dict, name: str) -> tuple[int, ...]:
+    ids = body.get(name)
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise FieldError(name, f"{name} must be an array of token ids (integers)")
+    return tuple(ids)
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"<token id>": bias} map, as (id, bias) pairs in id order."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise FieldError("logit_bias", f"logit_bias must be an object of token id -> bias, got {json_type_name(bias)}")
+    out = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise FieldError("logit_bias", f"logit_bias keys must be token ids written as decimal strings, got {key!r}"[:120])
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise FieldError("logit_bias", f"logit_bias[{key!r}] must be a number in [-100, 100], got "
+                                           f"{json.dumps(value)[:40]}")
+        out.append((int(key), float(value)))
+    return tuple(sorted(out))
+
+
+def _constraint(body: dict) -> tuple[Constraint | None, str | None]:
+    """The one constraint the request asks for, and the field it came from."""
+    given = [name for name in _CONSTRAINT_FIELDS if body.get(name) is not None
+             and not (name == "response_format" and body[name] == {"type": "text"})]
+    if not given:
+        if body.get("response_format") is not None:
+            _response_format(body["response_format"])  # checks {"type": "text"}'s shape
+        return None, None
+    if len(given) > 1:
+        raise FieldError(given[1], f"{given[1]} and {given[0]} both constrain the output; send one of them")
+    name = given[0]
+    value = body[name]
+    if name == "response_format":
+        constraint = _response_format(value)
+    elif name == "structured_outputs":
+        constraint = _structured_outputs(value)
+    elif name in ("guided_json", "json_schema"):
+        constraint = _json_schema(name, value)
+    elif name == "guided_regex":
+        constraint = Constraint(ConstraintKind.REGEX, _string(name, value, "a regular expression"))
+    elif name == "guided_choice":
+        constraint = _choice(name, value)
+    elif name == "guided_grammar":
+        constraint = _grammar(name, _string(name, value, "a Lark or GBNF grammar"))
+    else:  # llama-server's grammar is GBNF
+        constraint = Constraint(ConstraintKind.GBNF, _string(name, value, "a GBNF grammar"))
+    try:
+        constraint.validate()
+    except InvalidArgument as exc:
+        raise FieldError(name, f"{name}: {exc}") from None
+    return constraint, name
+
+
+def _response_format(fmt: object) -> Constraint | None:
+    if not isinstance(fmt, dict):
+        raise FieldError("response_format", f"response_format must be an object, got {json_type_name(fmt)}")
+    kind = fmt.get("type")
+    extra = sorted(set(fmt) - {"type", "json_schema", "schema"})
+    if extra:
+        raise FieldError("response_format", f"response_format.{extra[0]} is not supported; send type and, for "
+                                            "json_schema, json_schema")
+    if kind == "text" and len(fmt) == 1:
+        return None
+    if kind == "json_object":
+        # llama-server takes a schema beside json_object
+        if fmt.get("schema") is not None:
+            return _json_schema("response_format.schema", fmt["schema"])
+        return Constraint(ConstraintKind.JSON_OBJECT)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise FieldError("response_format", "response_format.json_schema must be an object "
+                                                "{name, schema, strict, description}")
+        extra = sorted(set(spec) - {"name", "schema", "strict", "description"})
+        if extra:
+            raise FieldError("response_format", f"response_format.json_schema.{extra[0]} is not supported; send "
+                                                "name, schema, strict or description")
+        name = spec.get("name")
+        if name is not None and (not isinstance(name, str) or not 1 <= len(name) <= 64):
+            raise FieldError("response_format", "response_format.json_schema.name must be a string of 1 to 64 "
+                                                "characters")
+        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+            raise FieldError("response_format", "response_format.json_schema.strict must be true or false")
+        if spec.get("schema") is None:
+            raise FieldError("response_format", "response_format.json_schema.schema is required: the JSON schema "
+                                                "the output must match")
+        return _json_schema("response_format", spec["schema"])
+    raise FieldError("response_format", "response_format.type must be text, json_object or json_schema, got "
+                                        f"{json.dumps(kind)[:40]}")
+
+
+def _structured_outputs(value: object) -> Constraint:
+    name = "structured_outputs"
+    if not isinstance(value, dict):
+        raise FieldError(name, f"{name} must be an object holding one of {', '.join(_STRUCTURED_KEYS)}")
+    extra = sorted(set(value) - set(_STRUCTURED_KEYS))
+    if extra:
+        raise FieldError(name, f"{name}.{extra[0]} is not supported; {name} takes one of "
+                               f"{', '.join(_STRUCTURED_KEYS)}")
+    given = [k for k in _STRUCTURED_KEYS if value.get(k) is not None]
+    if len(given) != 1:
+        raise FieldError(name, f"{name} must hold exactly one of {', '.join(_STRUCTURED_KEYS)}, got "
+                               f"{', '.join(given) or 'none'}")
+    key = given[0]
+    where = f"{name}.{key}"
+    if key == "json":
+        return _json_schema(where, value[key])
+    if key == "regex":
+        return Constraint(ConstraintKind.REGEX, _string(where, value[key], _STRUCTURED_KEYS[key]))
+    if key == "choice":
+        return _choice(where, value[key])
+    if key == "grammar":
+        return _grammar(where, _string(where, value[key], _STRUCTURED_KEYS[key]))
+    if value[key] is not True:
+        raise FieldError(name, f"{where} must be true")
+    return Constraint(ConstraintKind.JSON_OBJECT)
+
+
+def _field_of(where: str) -> str:
+    return where.split(".", 1)[0]
+
+
+def _string(where: str, value: object, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise FieldError(_field_of(where), f"{where} must be {what} as a non-empty string, got "
+                                           f"{json_type_name(value)}")
+    return value
+
+
+def _json_schema(where: str, schema: object) -> Constraint:
+    """A schema as an object, or as JSON text (vLLM takes both)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise FieldError(_field_of(where), f"{where} is not valid JSON: {exc}") from None
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, dict):
+        raise FieldError(_field_of(where), f"{where} must be a JSON schema object, got {json_type_name(schema)}")
+    return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")))
+
+
+def _choice(where: str, value: object) -> Constraint:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        raise FieldError(_field_of(where), f"{where} must be a non-empty array of non-empty strings")
+    if len(value) > MAX_CHOICES:
+        raise FieldError(_field_of(where), f"{where} takes at most {MAX_CHOICES} strings, got {len(value)}")
+    return Constraint(ConstraintKind.CHOICE, json.dumps(value))
+
+
+def _grammar(where: str, grammar: str) -> Constraint:
+    # vLLM's grammar field takes either notation; GBNF's rules are written
+    # `name ::= ...`, Lark's `name: ...`
+    return Constraint(ConstraintKind.GBNF if "::=" in grammar else ConstraintKind.LARK, grammar)

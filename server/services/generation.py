@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 from modeld.backends.generation.params import (
-    ChatMessage, FinalEvent, FinishReason, GenerateRequest, SamplingParams, SpeculativeMode, TokenEvent,
+    ChatMessage, Constraint, ConstraintKind, FinalEvent, FinishReason, GenerateRequest, SamplingParams,
+    SpeculativeMode, TokenEvent,
 )
 from modeld.gen import generation_pb2 as pb
 from modeld.gen import generation_pb2_grpc as pb_grpc
 from modeld.backends.errors import InvalidArgument
+from modeld.backends.generation.params import MAX_CHOICES, MAX_LOGIT_BIAS
 from modeld.server.dataplane import DataPlane
 from modeld.server.services.limits import call_timeout_s
 from modeld.server.services.parsing import request_nbytes
@@ -29,7 +33,8 @@ _FINISH = {
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     values = {}
     for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "cache_prompt",
-                 "ignore_eos", "num_speculative_tokens"):
+                 "ignore_eos", "num_speculative_tokens", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "min_tokens", "skip_special_tokens", "include_stop_str_in_output"):
         if msg.HasField(name):
             values[name] = getattr(msg, name)
     values["stop"] = tuple(msg.stop)
@@ -39,7 +44,31 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         raise InvalidArgument(f"unknown speculative mode {msg.speculative}; use one of "
                               + ", ".join(f"{pb.SpeculativeMode.Name(v)} ({v})" for v in _SPECULATIVE))
     values["speculative"] = _SPECULATIVE[msg.speculative]
+    if len(msg.logit_bias) > MAX_LOGIT_BIAS:  # before copying a map of any size
+        raise InvalidArgument(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(msg.logit_bias)}")
+    values["logit_bias"] = tuple(sorted(msg.logit_bias.items()))
+    if msg.HasField("constraint"):
+        values["constraint"] = constraint_from_proto(msg.constraint)
     return SamplingParams(**values)
+
+
+def constraint_from_proto(msg: pb.Constraint) -> Constraint:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument("constraint is set but holds none of json_object, json_schema, regex, choice, lark, "
+                              "gbnf; leave it unset for unconstrained output")
+    if kind == "json_object":
+        if not msg.json_object:
+            raise InvalidArgument("constraint.json_object must be true (unset the constraint for none)")
+        return Constraint(ConstraintKind.JSON_OBJECT)
+    if kind == "choice":
+        choices = list(msg.choice.choices)
+        if not choices or not all(choices):
+            raise InvalidArgument("constraint.choice needs at least one non-empty string")
+        if len(choices) > MAX_CHOICES:
+            raise InvalidArgument(f"constraint.choice takes at most {MAX_CHOICES} strings, got {len(choices)}")
+        return Constraint(ConstraintKind.CHOICE, json.dumps(choices))
+    return Constraint(ConstraintKind(kind), getattr(msg, kind))
 
 
 def request_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
@@ -55,16 +84,16 @@ def request_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
     )
 
 
-def event_to_proto(event: TokenEvent | FinalEvent) -> pb.GenerateResponse:
+def event_to_proto(event: TokenEvent | FinalEvent, index: int = 0) -> pb.GenerateResponse:
     if isinstance(event, FinalEvent):
         u = event.usage
         return pb.GenerateResponse(
-            finish_reason=_FINISH[event.finish_reason], error=event.error,
+            finish_reason=_FINISH[event.finish_reason], error=event.error, index=index,
             usage=pb.Usage(prompt_tokens=u.prompt_tokens, cached_prompt_tokens=u.cached_prompt_tokens,
                            completion_tokens=u.completion_tokens, drafted_tokens=u.drafted_tokens,
                            accepted_tokens=u.accepted_tokens, time_to_first_token_s=u.time_to_first_token_s),
         )
-    response = pb.GenerateResponse(token_ids=list(event.token_ids), text=event.text)
+    response = pb.GenerateResponse(token_ids=list(event.token_ids), text=event.text, index=index)
     for lp in event.logprobs:
         response.logprobs.add(token_id=lp.token_id, logprob=lp.logprob)
     for top in event.top_logprobs:
@@ -84,8 +113,12 @@ class GenerationService(pb_grpc.GenerationServicer):
         # timeout, so a sequence past it leaves the batch the same way.
         timeout_s = call_timeout_s(context)
         self.plane.check_request_size(request.model, request_nbytes())
-        async for event in self.plane.generate(request_from_proto(request), timeout_s):
-            yield event_to_proto(event)
+        events = self.plane.generate_choices(request_from_proto(request), request.n or 1, timeout_s)
+        try:
+            async for index, event in events:
+                yield event_to_proto(event, index)
+        finally:
+            await events.aclose()
 
     @grpc_errors
     async def Tokenize(self, request, context):

@@ -1,6 +1,7 @@
 """Language models over the KServe protocol: BYTES `text_input` in,
 `text_output` out, sampling options as request parameters under the same
-names as modeld.v1.Generation, usage figures as response parameters.
+names as modeld.v1.Generation (vLLM's, for the sampling extensions and
+the `guided_*` constraints), usage figures as response parameters.
 
 Logprobs travel as a response parameter `logprobs`: a JSON list with one
 object per generated token in that response, `{"token_id", "logprob",
@@ -14,7 +15,8 @@ import numpy as np
 
 from modeld.backends.errors import InvalidArgument
 from modeld.backends.generation.params import (
-    FinalEvent, GenerateRequest, SamplingParams, SpeculativeMode, TokenEvent, Usage,
+    MAX_CHOICES, MAX_LOGIT_BIAS, Constraint, ConstraintKind, FinalEvent, GenerateRequest, SamplingParams,
+    SpeculativeMode, TokenEvent, Usage,
 )
 from modeld.gen import inference_pb2 as pb
 from modeld.server.dataplane import MODEL_VERSION, DataPlane
@@ -22,8 +24,13 @@ from modeld.server.services.convert import decode_tensor, encode_bytes, paramete
 from modeld.server.services.limits import sooner
 
 _NUMERIC = {"max_tokens": int, "top_k": int, "seed": int, "logprobs": int, "num_speculative_tokens": int,
-            "temperature": float, "top_p": float, "min_p": float}
-_BOOLEAN = ("ignore_eos", "cache_prompt")
+            "min_tokens": int, "temperature": float, "top_p": float, "min_p": float, "presence_penalty": float,
+            "frequency_penalty": float, "repetition_penalty": float}
+_BOOLEAN = ("ignore_eos", "cache_prompt", "skip_special_tokens", "include_stop_str_in_output")
+# string parameters holding a constraint, by vLLM's names; guided_grammar
+# is GBNF where its rules read `name ::= ...`, Lark otherwise
+_CONSTRAINTS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object")
+_LISTS = ("stop", "stop_token_ids", "logit_bias")
 # read by the service itself (priority_of, timeout_of, the stream's final flag)
 _TRITON_RESERVED = ("triton_enable_empty_final_response", "priority", "timeout")
 
@@ -47,6 +54,9 @@ def text_request(msg: pb.ModelInferRequest, request_id: str) -> tuple[GenerateRe
 
 def sampling_from_parameters(params: dict) -> SamplingParams:
     values = {}
+    constraints = [key for key in _CONSTRAINTS if key in params]
+    if len(constraints) > 1:
+        raise InvalidArgument(f"parameters {constraints[0]} and {constraints[1]} both constrain the output; send one")
     for key, value in params.items():
         if key in _NUMERIC:
             if isinstance(value, (bool, str)) or value is None:
@@ -58,6 +68,18 @@ def sampling_from_parameters(params: dict) -> SamplingParams:
             values[key] = value
         elif key == "stop":
             values["stop"] = _string_list(key, value)
+        elif key == "stop_token_ids":
+            values["stop_token_ids"] = tuple(_json_param(key, value, list, "a JSON list of token ids", int))
+        elif key == "logit_bias":
+            bias = _json_param(key, value, dict, 'a JSON object {"<token id>": bias}')
+            if len(bias) > MAX_LOGIT_BIAS:
+                raise InvalidArgument(f"parameter logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+            try:
+                values["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in bias.items()))
+            except (TypeError, ValueError):
+                raise InvalidArgument('parameter logit_bias must map token ids to numbers, e.g. {"42": -100}') from None
+        elif key in _CONSTRAINTS:
+            values["constraint"] = _constraint(key, value)
         elif key == "speculative":
             try:
                 values["speculative"] = SpeculativeMode(str(value))
@@ -65,8 +87,41 @@ def sampling_from_parameters(params: dict) -> SamplingParams:
                 raise InvalidArgument(f"parameter speculative must be none, ngram or draft, got {value!r}") from None
         elif key not in _TRITON_RESERVED:
             raise InvalidArgument(f"unknown generation parameter {key!r}; known: "
-                                  f"{', '.join(sorted([*_NUMERIC, *_BOOLEAN, 'stop', 'speculative']))}")
+                                  f"{', '.join(sorted([*_NUMERIC, *_BOOLEAN, *_LISTS, *_CONSTRAINTS, 'speculative']))}")
     return SamplingParams(**values)
+
+
+def _json_param(key: str, value, kind: type, what: str, item: type | None = None):
+    if not isinstance(value, str):
+        raise InvalidArgument(f"parameter {key} must be a string_param holding {what}")
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"parameter {key} is not valid JSON ({what}): {exc}") from None
+    if not isinstance(parsed, kind) or (item is not None and not all(
+            isinstance(i, item) and not isinstance(i, bool) for i in parsed)):
+        raise InvalidArgument(f"parameter {key} must be {what}")
+    return parsed
+
+
+def _constraint(key: str, value) -> Constraint:
+    if key == "guided_json_object":
+        if value is not True:
+            raise InvalidArgument("parameter guided_json_object must be a bool_param true")
+        return Constraint(ConstraintKind.JSON_OBJECT)
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"parameter {key} must be a non-empty string_param")
+    if key == "guided_json":
+        schema = _json_param(key, value, dict, "a JSON schema object")
+        return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")))
+    if key == "guided_regex":
+        return Constraint(ConstraintKind.REGEX, value)
+    if key == "guided_choice":
+        choices = _json_param(key, value, list, "a JSON list of strings", str)
+        if not choices or len(choices) > MAX_CHOICES or not all(choices):
+            raise InvalidArgument(f"parameter guided_choice takes 1 to {MAX_CHOICES} non-empty strings")
+        return Constraint(ConstraintKind.CHOICE, json.dumps(choices))
+    return Constraint(ConstraintKind.GBNF if "::=" in value else ConstraintKind.LARK, value)
 
 
 def _string_list(key: str, value) -> tuple[str, ...]:
