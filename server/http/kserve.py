@@ -27,6 +27,7 @@ from modeld.server.http.kserve_json import (
 from modeld.server.request_context import internal_message
 from modeld.server.requests import ModelState
 from modeld.server.services.inference import model_infer
+from modeld.server.services.parsing import decode_off_loop
 
 log = structlog.get_logger("modeld.http")
 
@@ -166,9 +167,12 @@ class KServeApi:
     async def infer(self, request: Request) -> Response:
         name, version = _model_of(request)
         body = await read_body(request)
-        msg, binary = infer_request(name, version, body, request.headers.get(HEADER_LENGTH))
+        header_length = request.headers.get(HEADER_LENGTH)
+        # JSON and BYTES decode of a large body run off the event loop (services/parsing.py)
+        msg, binary = await decode_off_loop(lambda data: infer_request(name, version, data, header_length), body,
+                                            len(body))
         try:
-            response = await unless_client_leaves(request, model_infer(self.plane, msg))
+            response = await unless_client_leaves(request, model_infer(self.plane, msg, nbytes=len(body)))
         except ClientGone:
             log.info("http_client_disconnected", path=request.url.path)
             return Response(status_code=CLIENT_GONE_STATUS)

@@ -8,6 +8,14 @@ message that is no valid ModelInferRequest (the stream reads its messages
 as bytes and parses each itself). Language models answer with one response
 per token chunk. The stream's request id and the call's deadline cover
 every request on it.
+
+The stream is a window, not a queue: at most `stream_infer_window`
+requests are in flight, and at most as many answers wait unread (a request
+whose answer finds the queue full stays in flight). With the window full
+the reader stops taking messages off the stream, so HTTP/2 flow control
+holds the client's next ones on its side: a client that never reads holds
+two windows' worth of work and answers in the daemon, not one task and an
+ever longer queue per message it sends.
 """
 
 from __future__ import annotations
@@ -25,19 +33,28 @@ from modeld.server.request_context import internal_message
 from modeld.server.services.convert import request_from_proto, response_to_proto
 from modeld.server.services.kserve_text import text_request, text_response
 from modeld.server.services.limits import call_timeout_s, sooner, with_call_timeout
-from modeld.server.services.parsing import UndecodableRequest, parse_request
+from modeld.server.services.parsing import UndecodableRequest, decode_off_loop, parse_request
 
 log = structlog.get_logger("modeld.rpc")
 
 
 class InferStream:
-    """One ModelStreamInfer call: a reader starts a task per request, and
-    every task puts its answers on one queue the call yields from."""
+    """One ModelStreamInfer call: a reader starts a task per request while
+    the window has room, and every task puts its answers on one bounded
+    queue the call yields from."""
 
     def __init__(self, plane: DataPlane, context, request_id: str) -> None:
         self.plane, self.context, self.request_id = plane, context, request_id
-        self.responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        self.window = plane.limits.stream_infer_window
+        # a task blocked on a full queue keeps its window slot, so unread answers stop the reader too
+        self.responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue(maxsize=self.window)
+        self.slots = asyncio.Semaphore(self.window)
         self.tasks: set[asyncio.Task] = set()
+
+    @property
+    def pending(self) -> int:
+        """Requests in flight plus answers not yet read: what the window bounds."""
+        return len(self.tasks) + self.responses.qsize()
 
     async def answers(self, request_iterator) -> AsyncIterator[pb.ModelStreamInferResponse]:
         reader = asyncio.get_running_loop().create_task(self._read(request_iterator))
@@ -50,15 +67,28 @@ class InferStream:
                 task.cancel()
 
     async def _read(self, request_iterator) -> None:
-        async for data in request_iterator:
+        messages = request_iterator.__aiter__()
+        while True:
+            await self.slots.acquire()  # before reading: a full window leaves the next message unread
+            try:
+                data = await messages.__anext__()
+            except StopAsyncIteration:
+                self.slots.release()
+                break
             msg = await self._parsed(data)
-            if msg is not None:
-                task = asyncio.get_running_loop().create_task(self._run_one(msg, len(data)))
-                self.tasks.add(task)
-                task.add_done_callback(self.tasks.discard)
+            if msg is None:
+                self.slots.release()
+                continue
+            task = asyncio.get_running_loop().create_task(self._run_one(msg, len(data)))
+            self.tasks.add(task)
+            task.add_done_callback(self._finished)
         while self.tasks:
             await asyncio.gather(*list(self.tasks))
         await self.responses.put(None)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        self.slots.release()
 
     async def _parsed(self, data: bytes) -> pb.ModelInferRequest | None:
         """The message, or None once its failure is on the stream."""
@@ -90,7 +120,8 @@ class InferStream:
         if await self.plane.is_language_model(msg.model_name, msg.model_version):
             await self._stream_text(msg, timeout_s)
             return
-        result = await self.plane.infer(with_call_timeout(request_from_proto(msg), timeout_s))
+        request = await decode_off_loop(request_from_proto, msg, nbytes)
+        result = await self.plane.infer(with_call_timeout(request, timeout_s))
         if wants_empty_final(msg):
             await self._put(flagged(response_to_proto(result), False))
             await self._put(flagged(pb.ModelInferResponse(model_name=msg.model_name, id=msg.id), True))

@@ -14,18 +14,20 @@ from modeld.server.services.convert import parameter_value, request_from_proto, 
 from modeld.server.services.infer_stream import InferStream
 from modeld.server.services.kserve_text import complete_text
 from modeld.server.services.limits import call_timeout_s, with_call_timeout
-from modeld.server.services.parsing import raw_request_stream, request_nbytes
+from modeld.server.services.parsing import decode_off_loop, raw_request_stream, request_nbytes
 from modeld.server.services.status import current_request_id, grpc_errors
 from modeld.server.stats import Duration, ModelStats
 
 
 async def model_infer(plane: DataPlane, msg: pb.ModelInferRequest,
-                      call_timeout: float | None = None) -> pb.ModelInferResponse:
+                      call_timeout: float | None = None, nbytes: int = 0) -> pb.ModelInferResponse:
     """One ModelInfer, on gRPC or REST: a language model's whole completion,
-    or a tensor model's answer."""
+    or a tensor model's answer. A request of `nbytes` or more than
+    parsing.OFF_LOOP_BYTES decodes its tensors off the event loop."""
     if await plane.is_language_model(msg.model_name, msg.model_version):
         return await complete_text(plane, msg, current_request_id(), call_timeout)
-    return response_to_proto(await plane.infer(with_call_timeout(request_from_proto(msg), call_timeout)))
+    request = await decode_off_loop(request_from_proto, msg, nbytes)
+    return response_to_proto(await plane.infer(with_call_timeout(request, call_timeout)))
 
 
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
@@ -63,7 +65,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         timeout_s = call_timeout_s(context)
         self.plane.check_request_size(request.model_name, request_nbytes())
-        return await model_infer(self.plane, request, timeout_s)
+        return await model_infer(self.plane, request, timeout_s, request_nbytes())
 
     @raw_request_stream
     @grpc_errors

@@ -16,10 +16,18 @@ method marked `@raw_request_stream` gets the bytes instead and parses them
 itself (ModelStreamInfer does, to answer a bad message with an error on
 the stream and keep reading, as it does for any failed request on it);
 for any other one a bad message ends the call with INVALID_ARGUMENT.
+
+A large message is parsed, and a large request's tensors decoded
+(`decode_off_loop`), in a worker thread: splitting a BYTES tensor runs a
+Python loop per element, and on the event loop it would stall every other
+call, health probes included, for as long as that takes. The thread still
+takes the GIL in turns (sys.getswitchinterval, 5 ms), so the loop answers
+between them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import functools
 import inspect
@@ -38,6 +46,10 @@ log = structlog.get_logger("modeld.rpc")
 _request_nbytes: contextvars.ContextVar[int] = contextvars.ContextVar("request_nbytes", default=0)
 
 RAW_STREAM_ATTR = "_modeld_raw_request_stream"
+
+# Below this a message parses (and its tensors decode) in well under a
+# millisecond, less than a thread hand-off costs.
+OFF_LOOP_BYTES = 256 * 1024
 
 
 def request_nbytes() -> int:
@@ -63,6 +75,13 @@ def parse_request(deserializer: Callable[[bytes], Any], data: bytes) -> Any:
         return deserializer(data)
     except DecodeError as exc:
         raise UndecodableRequest(f"request is not a valid {_type_name(deserializer)}: {exc}") from None
+
+
+async def decode_off_loop(decode: Callable[[Any], Any], value: Any, nbytes: int) -> Any:
+    """decode(value), in a worker thread when the message is `nbytes` >= OFF_LOOP_BYTES."""
+    if nbytes < OFF_LOOP_BYTES:
+        return decode(value)
+    return await asyncio.to_thread(decode, value)
 
 
 def _type_name(deserializer) -> str:
@@ -162,11 +181,12 @@ async def _refuse(context, exc: UndecodableRequest, on_invalid: OnInvalid) -> No
 
 async def _parse_or_refuse(data: bytes, context, deserializer, on_invalid: OnInvalid):
     """The request in `data`, or the call aborted with INVALID_ARGUMENT."""
+    nbytes = len(data) if data is not None else 0
     try:
-        request = parse_request(deserializer, data)
+        request = await decode_off_loop(functools.partial(parse_request, deserializer), data, nbytes)
     except UndecodableRequest as exc:
         await _refuse(context, exc, on_invalid)
-    _request_nbytes.set(len(data))
+    _request_nbytes.set(nbytes)
     return request
 
 
