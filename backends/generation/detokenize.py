@@ -1,14 +1,20 @@
 """Turn token bytes into text deltas that never split a UTF-8 character,
-and hold back text that might be the start of a stop string."""
+and hold back text that might be the start of a stop string.
+
+Whether special tokens (chat markers, end of turn) have text at all is the
+runner's choice per request (skip_special_tokens, see StepExecutor); a stop
+string ends the text before it, or after it with include_stop.
+"""
 
 from __future__ import annotations
 
 
 class IncrementalText:
-    def __init__(self, stop: tuple[str, ...]) -> None:
+    def __init__(self, stop: tuple[str, ...], include_stop: bool = False) -> None:
         self._pending = b""  # bytes of an unfinished character
         self._held = ""  # decoded text not yet released (possible stop prefix)
         self._stop = stop
+        self._include_stop = include_stop
         self.stopped = False
 
     def push(self, piece: bytes) -> str:
@@ -30,10 +36,11 @@ class IncrementalText:
 
     def _release(self) -> str:
         # the earliest stop wins, whichever stop string it is
-        found = [i for i in (self._held.find(stop) for stop in self._stop) if i >= 0]
+        found = [(i, len(stop)) for stop in self._stop if (i := self._held.find(stop)) >= 0]
         if found:
             self.stopped = True
-            out, self._held = self._held[:min(found)], ""
+            at, length = min(found)
+            out, self._held = self._held[:at + length if self._include_stop else at], ""
             return out
         keep = _longest_stop_prefix_suffix(self._held, self._stop)
         out = self._held[:len(self._held) - keep]

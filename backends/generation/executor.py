@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from modeld.backends.errors import InvalidArgument
+from modeld.backends.errors import InvalidArgument, Unimplemented
 from modeld.backends.generation.params import ChatMessage
 from modeld.backends.generation.interface import StepPlan
 
@@ -40,6 +40,24 @@ class StepExecutor(ABC):
 
     @abstractmethod
     def apply_chat_template(self, messages: tuple[ChatMessage, ...]) -> str: ...
+
+    def special_token_bytes(self, token_id: int) -> bytes:
+        """A token's bytes with special tokens spelled out (`<|im_end|>`), for
+        skip_special_tokens=false; token_bytes gives them no text."""
+        return self.token_bytes(token_id)
+
+    def end_of_generation_ids(self) -> np.ndarray:
+        """Every id is_end_of_generation accepts (min_tokens masks them),
+        found once by asking about each token."""
+        ids = getattr(self, "_end_ids", None)
+        if ids is None:
+            ids = np.array([t for t in range(self.vocab_size) if self.is_end_of_generation(t)], dtype=np.int64)
+            self._end_ids = ids
+        return ids
+
+    def constraint_tokenizer(self):
+        """llguidance's LLTokenizer over this vocabulary (constraints.py)."""
+        raise Unimplemented("this runtime cannot constrain its output (no grammar vocabulary)")
 
     def check_token_ids(self, token_ids) -> list[int]:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]

@@ -12,6 +12,14 @@ decode on llama.cpp. A burst ends when no work is left or after BURST_S, so
 other models sharing the thread get their turn. Requests join between steps
 (under the scheduler lock); a request whose consumer leaves is dropped, and
 its KV freed, by the next update.
+
+Sampling a step: each sequence's rows get its logit processors (penalties,
+logit_bias, min_tokens; sampling.adjust_logits), then, for constrained
+sequences, the grammar's token masks, computed for every constrained row of
+the step in one llguidance call off the GIL (constraints.py). Draft tokens
+are verified against the masked rows, so a draft the grammar refuses is
+rejected like any other; the matcher then consumes the tokens kept, and a
+grammar that can take nothing more ends the sequence (STOP).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import numpy as np
 import structlog
 
 from modeld.backends.errors import ErrorKind, Unavailable, Unimplemented
+from modeld.backends.generation.constraints import ConstraintCompiler, allowed
 from modeld.backends.generation.detokenize import IncrementalText
 from modeld.backends.generation.draft import DraftRunner
 from modeld.backends.generation.executor import StepExecutor
@@ -35,7 +44,9 @@ from modeld.backends.generation.ngram import propose_ngram
 from modeld.backends.generation.params import (
     FinalEvent, FinishReason, GenerateRequest, SpeculativeMode, TokenEvent, Usage,
 )
-from modeld.backends.generation.sampling import logprobs_of, make_rng, probabilities, sample_rows
+from modeld.backends.generation.sampling import (
+    adjust_logits, logprobs_of, make_rng, needs_adjusting, probabilities, sample_rows,
+)
 from modeld.backends.generation.sequence import Sequence
 
 log = structlog.get_logger("modeld.generation")
@@ -64,6 +75,7 @@ class StepCounts:
     steps: int = 0  # runs that carried tokens
     shared_steps: int = 0  # runs that carried tokens of two or more sequences
     most_sequences: int = 0  # the most sequences one run carried
+    prompt_tokens: int = 0  # prompt tokens the runner computed (cached and shared ones are not)
 
 
 @dataclass
@@ -81,6 +93,7 @@ class GenerationLoop:
         self.observer = observer
         self.draft = draft
         self.step_counts = StepCounts()
+        self._constraints: ConstraintCompiler | None = None
         self._sequences: dict[int, Sequence] = {}  # seq id -> every request not yet finished
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -112,6 +125,13 @@ class GenerationLoop:
         if self._task is not None:
             await self._task
 
+    @property
+    def constraints(self) -> ConstraintCompiler:
+        """Grammar compiler and mask figures for this model's vocabulary."""
+        if self._constraints is None:
+            self._constraints = ConstraintCompiler(self.runner.constraint_tokenizer, self.runner.vocab_size)
+        return self._constraints
+
     # -- requests ------------------------------------------------------------
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
@@ -128,9 +148,13 @@ class GenerationLoop:
         if request.params.speculative is SpeculativeMode.DRAFT and self.draft is None:
             raise Unimplemented("this model has no draft model configured (set draft_model in its backend's table "
                                 "in model.toml)")
-        seq = Sequence(self.prompt_ids(request), request.params, priority=request.priority)
-        seq.rng = make_rng(request.params.seed)
-        seq.stream = _Stream(asyncio.Queue(), IncrementalText(request.params.stop))
+        params = request.params
+        # compiled before the sequence exists: a bad grammar is refused before any work
+        matcher = await self.constraints.matcher(params.constraint) if params.constraint is not None else None
+        seq = Sequence(self.prompt_ids(request), params, priority=request.priority)
+        seq.rng = make_rng(params.seed)
+        seq.matcher = matcher
+        seq.stream = _Stream(asyncio.Queue(), IncrementalText(params.stop, params.include_stop_str_in_output))
         with self._lock:
             self.scheduler.add(seq)
             self._sequences[seq.seq_id] = seq
@@ -219,6 +243,10 @@ class GenerationLoop:
 
     def _count(self, plan: StepPlan) -> None:
         n = len(plan.work)
+        for work in plan.work:
+            seq = self._sequences.get(work.seq_id)
+            if seq is not None and work.start_pos < seq.num_prompt:
+                self.step_counts.prompt_tokens += min(len(work.token_ids), seq.num_prompt - work.start_pos)
         if n:
             counts = self.step_counts
             counts.steps += 1
@@ -254,6 +282,7 @@ class GenerationLoop:
 
     def _sample(self, plan: StepPlan, logits: np.ndarray) -> dict[int, SeqResult]:
         results: dict[int, SeqResult] = {}
+        live: list[tuple[Sequence, SeqWork, np.ndarray]] = []
         row = 0
         for work in plan.work:
             rows = logits[row:row + work.num_logits]
@@ -262,14 +291,61 @@ class GenerationLoop:
                 continue  # a prompt chunk: no token yet
             seq = self._sequences.get(work.seq_id)
             if seq is not None and not seq.is_cancelled:
-                results[work.seq_id] = self._result(seq, work, rows)
+                live.append((seq, work, rows))
+        masks = self._masks(live)
+        for seq, work, rows in live:
+            results[work.seq_id] = self._result(seq, work, rows, masks.get(seq.seq_id))
         return results
 
-    def _result(self, seq: Sequence, work: SeqWork, rows: np.ndarray) -> SeqResult:
-        drafts = list(work.token_ids[len(work.token_ids) - work.num_drafts:]) if work.num_drafts else []
+    def _masks(self, live: list[tuple[Sequence, SeqWork, np.ndarray]]) -> dict[int, np.ndarray]:
+        """The allowed tokens [rows, vocab] of every constrained sequence in
+        the step, from one batched llguidance call."""
+        items, owners, num_rows = [], [], 0
+        for seq, work, rows in live:
+            if seq.matcher is not None:
+                items.append((seq.matcher, num_rows, list(_drafts(work))))
+                owners.append((seq.seq_id, num_rows, rows.shape[0]))
+                num_rows += rows.shape[0]
+        if not items:
+            return {}
+        compiler = self.constraints
+        bits = compiler.fill_masks(items, num_rows)
+        started = time.perf_counter()
+        every = allowed(bits, self.runner.vocab_size)
+        compiler.stats.apply_s += time.perf_counter() - started
+        return {seq_id: every[first:first + n] for seq_id, first, n in owners}
+
+    def _result(self, seq: Sequence, work: SeqWork, rows: np.ndarray, mask: np.ndarray | None) -> SeqResult:
+        drafts = _drafts(work)
+        scored = rows  # what logprobs report: the model's own distribution, as vLLM's default
+        if mask is not None or needs_adjusting(seq.params, seq.num_output):
+            if seq.params.logprobs:
+                scored = rows.copy()
+            self._adjust(seq, drafts, rows, mask)
         accepted, tokens, rows = self._verify(seq, drafts, rows)
-        taken, reason = self._emit(seq, tokens, rows)
+        grammar_done = False
+        if seq.matcher is not None:
+            if not seq.matcher.consume_tokens(tokens):
+                error = seq.matcher.get_error() or "token refused"
+                log.error("constraint_consume_failed", error=error)
+                return SeqResult(finish_reason=FinishReason.ERROR, error_kind=ErrorKind.INTERNAL,
+                                 error=f"the constraint engine refused a token it allowed ({error})")
+            grammar_done = seq.matcher.is_stopped()
+        taken, reason = self._emit(seq, tokens, scored[:len(tokens)], grammar_done)
         return SeqResult(tuple(taken), accepted, reason)
+
+    def _adjust(self, seq: Sequence, drafts: list[int], rows: np.ndarray, mask: np.ndarray | None) -> None:
+        params = seq.params
+        if needs_adjusting(params, seq.num_output):
+            end_ids = self.runner.end_of_generation_ids() if params.min_tokens else _NO_IDS
+            adjust_logits(rows, params, seq.prompt_ids, seq.token_ids[seq.num_prompt:], drafts, end_ids)
+        if mask is not None:
+            rows[~mask] = -np.inf
+            dead = np.isneginf(rows.max(axis=1))
+            if dead.any():
+                # min_tokens held back the only tokens the grammar allows (its end): the grammar wins
+                for i in np.flatnonzero(dead):
+                    rows[i, mask[i]] = 0.0
 
     def _verify(self, seq: Sequence, drafts: list[int], rows: np.ndarray) -> tuple[int, list[int], np.ndarray]:
         """Accept drafts left to right; the first rejection is replaced by a
@@ -299,16 +375,23 @@ class GenerationLoop:
         last = sample_rows(rows[len(drafts):len(drafts) + 1], [params], [seq.rng])
         return len(drafts), drafts + [int(last[0])], rows
 
-    def _emit(self, seq: Sequence, tokens: list[int], rows: np.ndarray) -> tuple[list[int], FinishReason | None]:
+    def _emit(self, seq: Sequence, tokens: list[int], rows: np.ndarray,
+              grammar_done: bool = False) -> tuple[list[int], FinishReason | None]:
         """Send the tokens the sequence keeps (up to a stop) and their text;
-        returns them with the reason it ends, if it does."""
+        returns them with the reason it ends, if it does (grammar_done: its
+        constraint can take no more tokens)."""
         now = time.monotonic()
         first = None if seq.first_token_time else now - seq.arrival_time
         inter = None if seq.last_token_time is None else (now - seq.last_token_time) / len(tokens)
         seq.first_token_time = seq.first_token_time or now
         seq.last_token_time = now
         taken, reason = self._take_until_stop(seq, tokens)
-        text = "".join(seq.stream.text.push(self.runner.token_bytes(t)) for t in taken if not self._is_stop_token(seq, t))
+        if reason is None and grammar_done:
+            reason = FinishReason.STOP
+        params = seq.params
+        piece = self.runner.token_bytes if params.skip_special_tokens else self.runner.special_token_bytes
+        text = "".join(seq.stream.text.push(piece(t)) for t in taken
+                       if params.include_stop_str_in_output or not self._is_stop_token(seq, t))
         if seq.stream.text.stopped:
             reason = FinishReason.STOP
         if reason is not None:
@@ -362,6 +445,13 @@ class GenerationLoop:
             seq.stream.queue.put_nowait(FinalEvent(FinishReason.ERROR, usage, f"generation failed: {exc}",
                                                    ErrorKind.INTERNAL))
         self._sequences.clear()
+
+
+_NO_IDS = np.zeros(0, dtype=np.int64)
+
+
+def _drafts(work: SeqWork) -> list[int]:
+    return list(work.token_ids[len(work.token_ids) - work.num_drafts:]) if work.num_drafts else []
 
 
 def _deliver(outbox: list[tuple]) -> None:

@@ -3,6 +3,19 @@
 logits: [num_rows, vocab] float32. Greedy rows take one vectorised argmax;
 sampled rows filter (top-k, top-p, min-p) with numpy over the vocabulary,
 one row at a time, so no Python loop ever walks the 49,152 entries.
+
+Before sampling, `adjust_logits` applies a request's logit processors to
+its rows, in this order (each row is one position: the next token, or the
+one after each draft token):
+1. logit_bias: logit[t] += bias[t];
+2. repetition_penalty p (HF/vLLM), over prompt and output tokens: a seen
+   token's logit is divided by p when positive, multiplied by p otherwise;
+3. frequency and presence penalties (OpenAI), over output tokens only:
+   logit[t] -= count[t] * frequency + (count[t] > 0) * presence;
+4. min_tokens: end-of-generation and stop_token_ids get -inf until that
+   many tokens are out;
+then the loop applies a constraint's token mask. A request with none of
+these set skips all of it.
 """
 
 from __future__ import annotations
@@ -36,6 +49,55 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         keep[order[:cut]] = True
         probs = np.where(keep, probs, 0.0)
     return probs / probs.sum()
+
+
+def adjust_logits(rows: np.ndarray, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+                  drafts: list[int], end_ids: np.ndarray) -> None:
+    """Apply params' logit processors in place to rows [R, vocab] (float32):
+    row i follows output_ids + drafts[:i] (see the module docstring)."""
+    vocab = rows.shape[1]
+    if params.logit_bias:
+        ids = np.fromiter((t for t, _ in params.logit_bias), dtype=np.int64, count=len(params.logit_bias))
+        bias = np.fromiter((b for _, b in params.logit_bias), dtype=np.float32, count=len(params.logit_bias))
+        inside = ids < vocab  # an id past this model's vocabulary biases nothing
+        total = np.zeros(vocab, dtype=np.float32)
+        np.add.at(total, ids[inside], bias[inside])
+        rows += total
+    repetition = params.repetition_penalty != 1.0
+    additive = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+    if repetition or additive:
+        output = np.asarray(output_ids, dtype=np.int64)
+        counts = np.bincount(output[output < vocab], minlength=vocab).astype(np.float32)
+        prompt_seen = None
+        if repetition:
+            prompt = np.asarray(prompt_ids, dtype=np.int64)
+            prompt_seen = np.zeros(vocab, dtype=bool)
+            prompt_seen[prompt[prompt < vocab]] = True
+        for i in range(rows.shape[0]):
+            if i:
+                previous = drafts[i - 1]
+                if previous < vocab:
+                    counts[previous] += 1
+            row = rows[i]
+            if repetition:
+                seen = prompt_seen | (counts > 0)
+                picked = row[seen]
+                row[seen] = np.where(picked > 0, picked / params.repetition_penalty,
+                                     picked * params.repetition_penalty)
+            if additive:
+                row -= counts * params.frequency_penalty + (counts > 0) * np.float32(params.presence_penalty)
+    if params.min_tokens:
+        held = params.min_tokens - len(output_ids)  # rows still before min_tokens
+        if held > 0:
+            ends = np.concatenate([end_ids, np.asarray(params.stop_token_ids, dtype=np.int64)])
+            ends = ends[ends < vocab]
+            if ends.size:
+                rows[:held, ends] = -np.inf
+
+
+def needs_adjusting(params: SamplingParams, num_output: int) -> bool:
+    """Whether adjust_logits would change anything for this sequence now."""
+    return params.penalised or num_output < params.min_tokens
 
 
 def sample_rows(logits: np.ndarray, params: list[SamplingParams], rngs: list[np.random.Generator]) -> np.ndarray:

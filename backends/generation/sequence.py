@@ -45,6 +45,7 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     rng: Any = None  # the backend's random generator for sampled decoding
+    matcher: Any = None  # llguidance's matcher when the output is constrained (constraints.py)
     stream: Any = None  # where the loop sends this sequence's events
 
     def __post_init__(self) -> None:

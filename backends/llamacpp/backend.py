@@ -68,6 +68,15 @@ class LlamaExecutor(StepExecutor):
     def is_end_of_generation(self, token_id: int) -> bool:
         return self.model.is_end_of_generation(token_id)
 
+    def special_token_bytes(self, token_id: int) -> bytes:
+        return self.model.special_token_bytes(token_id)
+
+    def end_of_generation_ids(self):
+        return self.model.end_of_generation_ids()
+
+    def constraint_tokenizer(self):
+        return self.model.constraint_tokenizer()
+
     def apply_chat_template(self, messages: tuple[ChatMessage, ...], tools: tuple[ToolSpec, ...] = ()) -> str:
         return render_chat(self.chat_template, messages, tools)
 

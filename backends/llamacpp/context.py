@@ -52,6 +52,8 @@ class LlamaModel:
         self.vocab_size = llama.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = llama.llama_model_n_ctx_train(self.model)
         self._pieces: dict[int, bytes] = {}
+        self._special_pieces: dict[int, bytes] = {}
+        self._eog_ids: np.ndarray | None = None
 
     def kv_bytes_per_token(self) -> int:
         """f16 K and V for every layer: 2 * layers * kv_width * 2 bytes."""
@@ -79,8 +81,33 @@ class LlamaModel:
             self._pieces[token_id] = piece
         return piece
 
+    def special_token_bytes(self, token_id: int) -> bytes:
+        """token_bytes with control tokens spelled out (`<|im_end|>`)."""
+        piece = self._special_pieces.get(token_id)
+        if piece is None:
+            buffer = ctypes.create_string_buffer(256)
+            count = _llama().llama_token_to_piece(self.vocab, token_id, buffer, 256, 0, True)
+            piece = buffer.raw[:max(count, 0)]
+            self._special_pieces[token_id] = piece
+        return piece
+
     def is_end_of_generation(self, token_id: int) -> bool:
         return bool(_llama().llama_vocab_is_eog(self.vocab, token_id))
+
+    def end_of_generation_ids(self) -> np.ndarray:
+        # llama.cpp keeps its end-of-generation set private: ask per token, once (~0.1 s for 49k)
+        if self._eog_ids is None:
+            is_eog = _llama().llama_vocab_is_eog
+            self._eog_ids = np.array([t for t in range(self.vocab_size) if is_eog(self.vocab, t)], dtype=np.int64)
+        return self._eog_ids
+
+    def constraint_tokenizer(self):
+        """llguidance's tokenizer over this GGUF vocabulary; every
+        end-of-generation token ends a constrained output."""
+        from llguidance.llamacpp import lltokenizer_from_vocab
+
+        return lltokenizer_from_vocab(self.vocab, n_vocab=self.vocab_size,
+                                      eos_token=[int(t) for t in self.end_of_generation_ids()])
 
     def chat_template_source(self) -> str:
         """The GGUF metadata's tokenizer.chat_template ("" when it has none)."""

@@ -130,6 +130,22 @@ class TorchExecutor(StepExecutor):
     def is_end_of_generation(self, token_id: int) -> bool:
         return token_id in self.eos
 
+    def special_token_bytes(self, token_id: int) -> bytes:
+        token = self.tokenizer.convert_ids_to_tokens(token_id)
+        if token is not None and token in self.tokenizer.all_special_tokens:
+            return token.encode("utf-8")
+        return self.token_bytes(token_id)
+
+    def end_of_generation_ids(self) -> np.ndarray:
+        return np.array(sorted(self.eos), dtype=np.int64)
+
+    def constraint_tokenizer(self):
+        """llguidance's tokenizer over the Hugging Face one (a fast tokenizer:
+        llguidance reads its Rust form), padded to the model's vocabulary."""
+        import llguidance.hf
+
+        return llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=sorted(self.eos))
+
     def apply_chat_template(self, messages: tuple[ChatMessage, ...], tools: tuple[ToolSpec, ...] = ()) -> str:
         return render_chat(self.chat_template, messages, tools)
 
