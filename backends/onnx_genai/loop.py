@@ -89,7 +89,8 @@ class EngineLoop:
         request.validate()
         _refuse_unsupported(request)
         seq = Sequence(self.prompt_ids(request), request.params, priority=request.priority)
-        seq.stream = _Stream(asyncio.Queue(), IncrementalText(request.params.stop))
+        seq.stream = _Stream(asyncio.Queue(), IncrementalText(request.params.stop,
+                                                              request.params.include_stop_str_in_output))
         self.scheduler.add(seq)
         self._sequences[seq.seq_id] = seq
         self._wakeup.set()
@@ -257,3 +258,14 @@ def _refuse_unsupported(request: GenerateRequest) -> None:
     if params.min_p > 0.0:
         raise Unimplemented("backend 'onnx-genai' cannot apply min_p: onnxruntime-genai samples with "
                             "temperature, top_k and top_p only")
+    if params.constraint is not None:
+        raise Unimplemented(f"backend 'onnx-genai' lacks constrained_decoding ({params.constraint.kind.value}): "
+                            "onnxruntime-genai's engine samples inside itself and takes no token mask; "
+                            "serve the model with llamacpp or torch for structured output")
+    unsupported = [name for name, on in (
+        ("presence_penalty", params.presence_penalty != 0.0), ("frequency_penalty", params.frequency_penalty != 0.0),
+        ("repetition_penalty", params.repetition_penalty != 1.0), ("logit_bias", bool(params.logit_bias)),
+        ("min_tokens", params.min_tokens > 0)) if on]
+    if unsupported:
+        raise Unimplemented(f"backend 'onnx-genai' cannot apply {', '.join(unsupported)}: onnxruntime-genai's "
+                            "engine samples inside itself with temperature, top_k and top_p only")
