@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from modeld.backends.artifact_paths import scrub_paths
 from modeld.backends.errors import InvalidArgument, LoadFailed
 from modeld.backends.model_config import TextSpec
 
@@ -19,11 +20,11 @@ class TextEncoder:
     def __init__(self, spec: TextSpec, model_dir: Path) -> None:
         from tokenizers import Tokenizer
 
-        path = model_dir / spec.tokenizer
+        path = model_dir / spec.tokenizer  # the config parser keeps it relative, without '..'
         try:
             self._tokenizer = Tokenizer.from_file(str(path))
         except Exception as exc:  # the tokenizers library raises plain Exception
-            raise LoadFailed(f"cannot read tokenizer {spec.tokenizer!r}: {exc}") from exc
+            raise LoadFailed(f"cannot read tokenizer {spec.tokenizer!r}: {scrub_paths(str(exc), (model_dir,))}") from exc
         self._tokenizer.enable_truncation(max_length=spec.max_length)
         self._tokenizer.no_padding()
         self.spec = spec

@@ -89,6 +89,7 @@ class Daemon:
             settings.health_policy(), max_streams=settings.max_streams,
         )
         self.engine.use_workers(settings.worker_policy())
+        self.engine.use_load_policy(settings.load_policy())
         # what every front (gRPC and HTTP) asks of the engine
         self.plane = DataPlane(self.engine, self.lifecycle,
                                max_request_bytes=settings.max_request_bytes or settings.max_message_bytes,

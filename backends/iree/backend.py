@@ -22,6 +22,7 @@ from typing import NoReturn
 import numpy as np
 import structlog
 
+from modeld.backends.artifact_paths import ArtifactPathError
 from modeld.backends.base import Backend, Capability, Verdict
 from modeld.backends.errors import BackendFailure, InvalidArgument, LoadFailed
 from modeld.backends.iree.cache import CacheEntry, ModuleCache
@@ -91,7 +92,9 @@ class IreeBackend(Backend):
     def load(self, config: ModelConfig, model_dir: Path) -> IreeModel:
         path = model_dir / config.artifact_path
         try:
-            graph = read_graph(path)
+            graph = read_graph(path, config.name)
+        except ArtifactPathError:
+            raise
         except Exception as exc:  # onnx raises DecodeError and friends
             raise LoadFailed(f"cannot read {config.artifact_path!r} as an ONNX graph: {_first_line(exc)}") from exc
         if graph.foreign_ops:

@@ -84,9 +84,13 @@ class GraphInfo:
     files: tuple[Path, ...]  # the graph, then its external data files
 
 
-def read_graph(path: Path) -> GraphInfo:
-    """Raises whatever onnx raises for a file that is not a graph."""
+def read_graph(path: Path, model: str = "") -> GraphInfo:
+    """Raises whatever onnx raises for a file that is not a graph, and
+    ArtifactPathError for external data outside the graph's folder: IREE's
+    importer would read it wherever it is."""
     import onnx
+
+    from modeld.backends.onnx.external_data import external_files
 
     proto = onnx.load(str(path), load_external_data=False)
     initializers = {t.name for t in proto.graph.initializer}
@@ -97,7 +101,7 @@ def read_graph(path: Path) -> GraphInfo:
         symbols=_symbols(inputs),
         foreign_ops=tuple(sorted({f"{n.domain}.{n.op_type}" for n in _nodes(proto.graph)
                                   if n.domain not in STANDARD_DOMAINS})),
-        files=(path, *_external_files(proto, path.parent)),
+        files=(path, *[f for f in external_files(model, path.parent, proto) if f.is_file()]),
     )
 
 
@@ -123,15 +127,3 @@ def _nodes(graph):
         for attr in node.attribute:
             for sub in (attr.g,) if attr.HasField("g") else attr.graphs:
                 yield from _nodes(sub)
-
-
-def _external_files(proto, folder: Path) -> list[Path]:
-    from onnx.external_data_helper import uses_external_data
-
-    names = set()
-    for tensor in proto.graph.initializer:
-        if uses_external_data(tensor):
-            names.update(e.value for e in tensor.external_data if e.key == "location")
-    # a location outside the folder is the importer's to refuse, not ours to read
-    inside = [folder / name for name in sorted(names)]
-    return [f for f in inside if f.resolve().is_relative_to(folder.resolve()) and f.is_file()]

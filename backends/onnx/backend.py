@@ -10,10 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
+from modeld.backends.artifact_paths import scrub_paths
 from modeld.backends.base import Backend, Capability, Verdict
 from modeld.backends.dtypes import DATATYPE_BY_ORT, shape_from_dims
 from modeld.backends.errors import BackendFailure, InvalidArgument, LoadFailed
 from modeld.backends.model_config import ModelConfig, ModelFormat, TensorSpec
+from modeld.backends.onnx.external_data import check_model_file
 from modeld.backends.tensor_model import GraphModel, process_rss
 
 _PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
@@ -71,11 +73,15 @@ class OnnxModel(GraphModel):
         if opts.arena_shrinkage:
             self._run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         path = model_dir / config.artifact_path
+        # onnxruntime is handed the graph only once every external data
+        # location in it is known to stay inside the folder
+        check_model_file(config.name, path.parent, path)
         rss_before = process_rss()
         try:
             self._session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/...
-            raise LoadFailed(f"onnxruntime cannot load {config.artifact_path!r}: {_first_line(exc)}") from exc
+            reason = scrub_paths(_first_line(exc), (model_dir,))
+            raise LoadFailed(f"onnxruntime cannot load {config.artifact_path!r}: {reason}") from exc
         # Weights are at least the file; the session's arenas and pre-packed
         # weights show up as resident growth during the load (loads are
         # serialised by the engine, so the growth is this model's).
@@ -91,9 +97,9 @@ class OnnxModel(GraphModel):
         try:
             results = self._session.run(list(output_names), feeds, self._run_options)
         except (ort.capi.onnxruntime_pybind11_state.InvalidArgument, ort.capi.onnxruntime_pybind11_state.InvalidGraph) as exc:
-            raise InvalidArgument(f"the model rejected the input: {_first_line(exc)}") from exc
+            raise InvalidArgument(f"the model rejected the input: {scrub_paths(_first_line(exc))}") from exc
         except Exception as exc:
-            raise BackendFailure(f"onnxruntime failed while running: {_first_line(exc)}") from exc
+            raise BackendFailure(f"onnxruntime failed while running: {scrub_paths(_first_line(exc))}") from exc
         return dict(zip(output_names, results))
 
     def unload(self) -> None:

@@ -22,15 +22,16 @@ import importlib.util
 import json
 from pathlib import Path
 
+from modeld.backends.artifact_paths import scrub_paths
 from modeld.backends.base import Backend, Capability, GenerativeModel, Verdict
 from modeld.backends.compute_thread import COMPUTE_THREAD
 from modeld.backends.errors import LoadFailed
 from modeld.backends.model_config import ModelConfig, ModelFormat, TensorSpec
 from modeld.backends.onnx_genai.batches import OG_STATIC_BATCH_SIZE, BatchConfig, BatchScheduler
+from modeld.backends.onnx_genai.config_check import GENAI_CONFIG, check_genai_config
 from modeld.backends.tensor_model import process_rss
 
 TEXT_SIGNATURE = (TensorSpec("text_input", "BYTES", (1,)),), (TensorSpec("text_output", "BYTES", (1,)),)
-GENAI_CONFIG = "genai_config.json"
 
 
 class OnnxGenaiBackend(Backend):
@@ -71,7 +72,7 @@ def read_genai_config(folder: Path) -> dict:
     try:
         return json.loads((folder / GENAI_CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise LoadFailed(f"cannot read {GENAI_CONFIG}: {exc}") from exc
+        raise LoadFailed(f"cannot read {GENAI_CONFIG}: {scrub_paths(str(exc), (folder,))}") from exc
 
 
 def weights_bytes(folder: Path) -> int:
@@ -118,6 +119,8 @@ class OnnxGenaiModel(GenerativeModel):
         options = config.backend_options.onnx_genai
         folder = (model_dir / config.artifact_path).parent
         genai = read_genai_config(folder)
+        # before og.Config: og would load what the config names as it stands
+        check_genai_config(config.name, folder, genai, config.policy.onnx_genai_allowed_keys)
         context_length = min(options.context_length, int(genai["model"].get("context_length", options.context_length)))
         rss_before = process_rss()
         try:
@@ -126,9 +129,9 @@ class OnnxGenaiModel(GenerativeModel):
             self.og_model = og.Model(og_config)
             og_tokenizer = og.Tokenizer(self.og_model)
         except Exception as exc:
-            raise LoadFailed(f"onnxruntime-genai cannot load {folder.name}/: {exc}") from exc
+            raise LoadFailed(f"onnxruntime-genai cannot load {folder.name}/: {scrub_paths(str(exc), (folder,))}") from exc
         eos = _eos_ids(genai)
-        self.vocab = Vocabulary(folder, og_tokenizer, set(eos) | set(og_tokenizer.eos_token_ids))
+        self.vocab = Vocabulary(folder, og_tokenizer, set(eos) | set(og_tokenizer.eos_token_ids), config.name)
         self.runner = self.vocab  # tokenize / detokenize, as GenerativeModel expects of its runner
         # the weights are in memory (and prepacked by onnxruntime) after load;
         # the KV reserve is what the batches may take on top

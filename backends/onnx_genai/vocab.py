@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from modeld.backends.artifact_paths import resolve_inside
 from modeld.backends.errors import InvalidArgument, LoadFailed
 from modeld.backends.generation.params import ChatMessage
 
@@ -34,10 +35,10 @@ _BYTES = _byte_decoder()
 
 
 class Vocabulary:
-    def __init__(self, folder: Path, og_tokenizer, eos_token_ids: set[int]) -> None:
+    def __init__(self, folder: Path, og_tokenizer, eos_token_ids: set[int], model: str = "") -> None:
         from tokenizers import Tokenizer
 
-        path = folder / "tokenizer.json"
+        path = resolve_inside(model, folder, "tokenizer.json", "tokenizer file")
         if not path.is_file():
             raise LoadFailed(f"{path.name} is missing next to the model; rebuild it with `modeld prepare`")
         self.tokenizer = Tokenizer.from_file(str(path))

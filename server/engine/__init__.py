@@ -19,6 +19,7 @@ from typing import AsyncIterator
 
 from modeld.backends.errors import ErrorKind
 from modeld.backends.generation.params import FinalEvent, GenerateRequest, TokenEvent
+from modeld.backends.load_policy import LoadPolicy
 from modeld.backends.registry import BackendRegistry
 from modeld.server.backend_health import HealthPolicy, UnhealthyBackend
 from modeld.server.memory import MemoryManager
@@ -65,6 +66,10 @@ class Engine:
     def use_workers(self, policy: WorkerPolicy) -> None:
         """The daemon's worker settings (default isolation, load timeout, backoff)."""
         self.lifecycle.workers = WorkerSupervisor(policy, self.metrics)
+
+    def use_load_policy(self, policy: LoadPolicy) -> None:
+        """The daemon's settings on what models' files may reach, given to every load."""
+        self.lifecycle.load_policy = policy
 
     # -- state ---------------------------------------------------------------
 

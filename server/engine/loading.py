@@ -16,9 +16,11 @@ from typing import Callable
 import anyio
 import structlog
 
+from modeld.backends.artifact_paths import scrub_paths
 from modeld.backends.base import Backend, GenerativeModel, LoadedModel
 from modeld.backends.errors import InvalidArgument, LoadFailed, ModeldError, NotFound, ResourceExhausted, error_for
 from modeld.backends.generation.params import FinalEvent, GenerateRequest, SamplingParams
+from modeld.backends.load_policy import LoadPolicy
 from modeld.backends.model_config import ModelConfig
 from modeld.backends.registry import BackendRegistry
 from modeld.server.batcher import BatchReport, DynamicBatcher
@@ -60,6 +62,7 @@ class ModelLifecycle:
         self.workers = workers
         self.metrics = metrics
         self._load_lock = asyncio.Lock()
+        self.load_policy = LoadPolicy()  # the daemon's settings (Engine.use_load_policy)
         # told of each model as it starts serving by name (failover follows remote engines)
         self.on_registered: list[Registered] = []
 
@@ -107,7 +110,9 @@ class ModelLifecycle:
             served = await self.load_first_fit(source, self.backends_for(source.config), on_failure=count)
         except NoBackendFits as exc:
             self.metrics.loads.labels(name, "failed").inc()
-            reason = str(exc) or "no backend is available for its format"
+            # the runtimes' reasons may hold the model folder's absolute path
+            # (an inline model's is a daemon temp folder) or other files'
+            reason = scrub_paths(str(exc), (source.model_dir,)) or "no backend is available for its format"
             self.models.failures[name] = reason
             raise InvalidArgument(f"no backend could load model {name!r}: {reason}") from None
         self.models.failures.pop(name, None)
@@ -157,7 +162,7 @@ class ModelLifecycle:
 
     async def _load_on(self, backend: Backend, source: ModelSource, exclude: frozenset[ModelKey],
                        register: bool) -> ServedModel:
-        config = source.config
+        config = dataclasses.replace(source.config, policy=self.load_policy)
         key = ModelKey(backend.name, config.name)
         estimate = backend.estimate_bytes(config, source.model_dir)
         await self.accounting.reserve(key, estimate, config.pinned, exclude)

@@ -1,0 +1,114 @@
+"""Paths a model's own files name, kept inside the model's folder.
+
+A model folder may come from a client (an inline upload) or from a store,
+and the files in it name other files: an ONNX initializer's external data,
+the keys of onnxruntime-genai's genai_config.json, tokenizer files, the
+other parts of a split GGUF, safetensors shards. Every such name is resolved
+here, against the folder, with symlinks followed, so `../secret`, an absolute
+path and a link pointing out are all refused the same way, before any
+runtime opens the file: modeld checks each path itself rather than rely on
+each library's version to do it.
+
+Errors name the model and the field and show the path as the model's file
+wrote it (relative) or relative to the folder, never an absolute path: an
+inline model's folder is a daemon temp path no client should learn.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path, PurePosixPath, PureWindowsPath
+
+from modeld.backends.errors import InvalidArgument
+
+# any absolute POSIX path in a message: "/" not preceded by a word
+# character, ":", "/" or "." (so a URL's own path or a relative "a/b" stays)
+_ABSOLUTE_PATH_RE = re.compile(r"(?<![\w:/.~-])/(?:[^\s'\"`/:,;()\[\]{}<>]+/)*[^\s'\"`/:,;()\[\]{}<>]*")
+
+
+class ArtifactPathError(InvalidArgument):
+    """A model file names a path outside its folder (or no usable path)."""
+
+
+def resolve_inside(model: str, folder: Path, name: object, field: str) -> Path:
+    """The file `name` (as a model file wrote it) resolved inside `folder`.
+
+    `field` says where the name was found ("initializer 'w' external data
+    location", "genai_config.json model.decoder.filename"). Raises
+    ArtifactPathError for an absolute path, one that leaves the folder by
+    `..` or through a symlink, or a value that is not a path at all. The
+    file need not exist: the runtime that opens it says so if it is missing.
+    """
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise ArtifactPathError(f"model {model!r}: {field} must be a file name inside the model folder, "
+                                f"got {_shown_value(name)}")
+    if _is_absolute(name):
+        raise ArtifactPathError(f"model {model!r}: {field} is an absolute path (…/{_last_part(name)}); "
+                                "a model's files must be named relative to its folder")
+    root = folder.resolve()
+    target = (root / name).resolve()
+    if not target.is_relative_to(root):
+        how = "through a symbolic link" if ".." not in PurePosixPath(name.replace("\\", "/")).parts else "by '..'"
+        raise ArtifactPathError(f"model {model!r}: {field} {name!r} leaves the model folder ({how}); "
+                                "a model's files must stay inside its folder")
+    return target
+
+
+def check_inside(model: str, folder: Path, path: Path, field: str) -> Path:
+    """`path` (already joined to the folder, e.g. the config's artifact)
+    resolved, refused if a symlink takes it outside the folder."""
+    root = folder.resolve()
+    target = path.resolve()
+    if not target.is_relative_to(root):
+        raise ArtifactPathError(f"model {model!r}: {field} {relative_to(folder, path)!r} leaves the model "
+                                "folder through a symbolic link; a model's files must stay inside its folder")
+    return target
+
+
+def relative_to(folder: Path, path: Path) -> str:
+    """`path` as shown to a client: relative to the model folder when it is
+    inside, else only its last part."""
+    for root in (folder, folder.resolve()):
+        try:
+            return path.relative_to(root).as_posix()
+        except ValueError:
+            continue
+    return f"…/{path.name}"
+
+
+def scrub_paths(text: str, folders: tuple[Path, ...] = ()) -> str:
+    """`text` (a runtime's message) with every absolute path taken out: the
+    model folders' own prefix dropped (so their files read relative), any
+    other absolute path cut to its last part."""
+    for folder in folders:
+        for root in {str(folder), str(folder.resolve())}:
+            if root and root != "/":
+                text = text.replace(root + "/", "").replace(root, "<model folder>")
+    return _ABSOLUTE_PATH_RE.sub(lambda m: _scrubbed(m, text), text)
+
+
+_HTTP_METHODS = ("GET ", "POST ", "PUT ", "DELETE ", "HEAD ", "PATCH ")
+
+
+def _scrubbed(match: re.Match, text: str) -> str:
+    found = match.group()
+    # "/" alone, or a remote engine's route ("GET /v1/models"), is no file
+    if found == "/" or text[max(0, match.start() - 7):match.start()].endswith(_HTTP_METHODS):
+        return found
+    return f"…/{_last_part(found)}"
+
+
+def _is_absolute(name: str) -> bool:
+    # a Windows drive or UNC path is as absolute to onnxruntime on Windows
+    return (name.startswith(("/", "\\", "~")) or PurePosixPath(name).is_absolute()
+            or bool(PureWindowsPath(name).drive))
+
+
+def _last_part(name: str) -> str:
+    parts = [p for p in re.split(r"[/\\]", name) if p]
+    return parts[-1] if parts else ""
+
+
+def _shown_value(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
