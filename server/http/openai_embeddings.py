@@ -7,7 +7,7 @@ import base64
 
 import numpy as np
 
-from modeld.backends.errors import InvalidArgument
+from modeld.backends.errors import InvalidArgument, ResourceExhausted
 from modeld.backends.model_config import TensorSpec
 from modeld.server.dataplane import DataPlane, ModelMetadata
 from modeld.server.http.common import json_type_name
@@ -21,7 +21,7 @@ async def embeddings(plane: DataPlane, body: dict) -> dict:
     """The answer to one /v1/embeddings body."""
     model = model_name(body)
     check_fields(body, _EMBEDDING_FIELDS, "/v1/embeddings")
-    texts = _texts(body)
+    texts = _texts(body, plane.limits.max_embedding_inputs)
     encoding = get_field(body, "encoding_format", (str,), "float or base64", "float")
     if encoding not in ("float", "base64"):
         raise FieldError("encoding_format", f"encoding_format must be float or base64, got {encoding!r}")
@@ -70,12 +70,15 @@ def _truncate(vectors: np.ndarray, dimensions: int, model: str) -> np.ndarray:
     return (short / np.where(norms > 0, norms, 1.0)).astype(np.float32, copy=False)
 
 
-def _texts(body: dict) -> list[str]:
+def _texts(body: dict, max_inputs: int) -> list[str]:
     value = body.get("input")
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not value:
         raise FieldError("input", "input must be a string or a non-empty array of strings")
+    if len(value) > max_inputs:  # before looking at one of them
+        raise ResourceExhausted(f"input holds {len(value)} strings, more than the daemon's max_embedding_inputs "
+                                f"limit ({max_inputs}); send at most {max_inputs} per call")
     for i, text in enumerate(value):
         if not isinstance(text, str):
             raise FieldError("input", f"input[{i}] must be a string, got {json_type_name(text)} (token arrays are not "
@@ -113,11 +116,30 @@ async def _embed(plane: DataPlane, model: ModelMetadata, texts: list[str], level
     # (bench/bench_http.py measures this against one call per string).
     step = model.max_batch_size or len(texts)
     chunks = [texts[i:i + step] for i in range(0, len(texts), step)]
-    results = await asyncio.gather(*(
+    results = await _all_or_none(
         plane.infer(InferRequest(model.name, {text_input.name: np.array([t.encode() for t in chunk], dtype=object)},
                                  output_names=(vector_output.name,), priority=level))
-        for chunk in chunks))
+        for chunk in chunks)
     return np.concatenate([r.outputs[vector_output.name] for r in results]).astype(np.float32, copy=False)
+
+
+async def _all_or_none(calls) -> list:
+    """Every call's result in order; the first failure (a full queue's 429,
+    say) cancels the others, which asyncio.gather would leave running for an
+    answer nobody reads. A cancelled caller (the client left) cancels them all."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        left = [task for task in tasks if not task.done()]
+        for task in left:
+            task.cancel()
+        if left:
+            await asyncio.wait(left)  # their clean-up (leaving the batch queue) before the caller answers
+    failed = next((t for t in tasks if not t.cancelled() and t.exception() is not None), None)
+    if failed is not None:
+        raise failed.exception()
+    return [task.result() for task in tasks]
 
 
 def _encode_vector(vector: np.ndarray, encoding: str) -> list[float] | str:
