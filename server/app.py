@@ -27,6 +27,7 @@ from modeld.server.memory import MemoryManager
 from modeld.server.metrics import Metrics
 from modeld.server.reflection import reflection_pool
 from modeld.server.repository import ModelRepository
+from modeld.server.store import ModelStore
 from modeld.server.requests import ModelState
 from modeld.server.services.generation import GenerationService
 from modeld.server.services.inference import InferenceService
@@ -84,7 +85,8 @@ class Daemon:
         self._inline_dir = tempfile.TemporaryDirectory(prefix="modeld-inline-")
         self.registry = BackendRegistry()
         self.engine = Engine(
-            ModelRepository(settings.model_repository, Path(self._inline_dir.name)),
+            ModelRepository(settings.model_repository, Path(self._inline_dir.name),
+                            ModelStore(settings.store_settings(), self.metrics.registry)),
             self.registry, MemoryManager(settings.memory_budget), self.metrics, settings.lazy_load,
             settings.health_policy(), max_streams=settings.max_streams,
         )

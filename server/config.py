@@ -83,6 +83,16 @@ class Settings:
     max_embedding_inputs: int = 2048  # strings in one /v1/embeddings call
     stream_infer_window: int = 64  # ModelStreamInfer requests one stream may have in flight or unread
     inline_disk_quota: int = 8 * 1024**3  # bytes every uploaded (inline) model's folder may hold together; 0: none
+    # models from a store (server/store): the disk cache below the memory budget, and how to reach stores
+    store_cache_dir: Path = Path.home() / ".cache" / "modeld" / "store"
+    store_cache_budget: int = 50 * 1024**3  # bytes the pulled models' files may hold on disk
+    store_oci_mirror: str = ""  # host:port tried first for every oci:// pull; the named registry on its failure
+    store_oci_plain_http: tuple[str, ...] = ()  # registries (host:port) reached without TLS
+    store_oci_ca_file: Path | None = None  # PEM CA bundle for registries; None: the system's
+    store_oci_auth_file: Path | None = None  # Docker config.json with "auths"; None: $DOCKER_CONFIG or ~/.docker
+    store_s3_endpoint: str = ""  # empty: boto3's own (AWS_ENDPOINT_URL, else AWS)
+    store_s3_region: str = ""
+    store_s3_addressing_style: str = "auto"  # path, virtual or auto
 
     def health_policy(self) -> HealthPolicy:
         return HealthPolicy(self.backend_unhealthy_after, self.backend_health_window_s, self.backend_cooldown_s)
@@ -103,6 +113,18 @@ class Settings:
 
         return LoadPolicy(frozenset(self.remote_api_key_envs), self.remote_allowed_hosts,
                           frozenset(self.onnx_genai_allowed_keys), str(self.iree_cache_dir or ""))
+
+    def store_settings(self):
+        from modeld.server.store import OciSettings, S3Settings, StoreSettings
+
+        auth_file = self.store_oci_auth_file
+        if auth_file is None:
+            docker = os.environ.get("DOCKER_CONFIG")
+            auth_file = (Path(docker) if docker else Path.home() / ".docker") / "config.json"
+        return StoreSettings(
+            self.store_cache_dir, self.store_cache_budget,
+            OciSettings(self.store_oci_mirror, self.store_oci_plain_http, self.store_oci_ca_file, auth_file),
+            S3Settings(self.store_s3_endpoint, self.store_s3_region, self.store_s3_addressing_style))
 
     def describe(self) -> str:
         return (f"repository={self.model_repository} grpc={self.host}:{self.grpc_port} "
@@ -147,6 +169,15 @@ _PARSERS = {
     "max_embedding_inputs": int,
     "stream_infer_window": int,
     "inline_disk_quota": parse_size,
+    "store_cache_dir": Path,
+    "store_cache_budget": parse_size,
+    "store_oci_mirror": str,
+    "store_oci_plain_http": lambda v: _host_list(v),
+    "store_oci_ca_file": lambda v: _optional_path(v),
+    "store_oci_auth_file": lambda v: _optional_path(v),
+    "store_s3_endpoint": str,
+    "store_s3_region": str,
+    "store_s3_addressing_style": lambda v: _one_of(v, ("auto", "path", "virtual")),
 }
 
 
@@ -156,6 +187,19 @@ def _names(value: Any) -> tuple[str, ...]:
     if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
         raise ValueError("not a list of names")
     return tuple(i.strip() for i in items if i.strip())
+
+
+def _host_list(value: Any) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+        raise ValueError("a list of host:port names (or a comma-separated string)")
+    return tuple(v.strip() for v in items if v.strip())
+
+
+def _one_of(value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"one of {', '.join(choices)}")
+    return value
 
 
 def _optional_path(value: Any) -> Path | None:
@@ -267,6 +311,7 @@ def _validate(s: Settings) -> None:
         ("metrics_port", -1 <= s.metrics_port <= 65535, f"metrics_port {s.metrics_port} must be -1 (off) or 0..65535"),
         ("model_repository", s.model_repository is None or s.model_repository.is_dir(),
          f"model_repository {s.model_repository} is not a directory"),
+        ("store_cache_budget", s.store_cache_budget > 0, "store_cache_budget must be a positive size such as 20GiB"),
         ("max_message_bytes", 1024 <= s.max_message_bytes < 2**31,
          "max_message_bytes must be between 1KiB and 2GiB (protobuf's limit)"),
         ("max_request_bytes", 0 <= s.max_request_bytes <= s.max_message_bytes,

@@ -4,19 +4,27 @@ Inline models (config and files sent in a Load request) are written to a
 private folder of their own and shadow repository models of the same name.
 Every name and file path from a client is checked so it cannot leave its
 folder.
+
+A model whose config names a `source` (oci://, s3://, hf://) has its files
+in a store: `pull` fetches them into the store's disk cache and answers the
+pulled folder, whose own model.toml (if any) is the base the entry's keys
+override.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from modeld.backends.errors import InvalidArgument, NotFound
 from modeld.backends.model_config import (
-    ModelConfig, config_from_json, load_model_toml, validate_model_name,
+    ModelConfig, config_from_dict, config_from_json, load_model_toml, validate_model_name,
 )
+from modeld.server.store import ModelStore, PulledModel
 
 CONFIG_FILE = "model.toml"
 
@@ -26,13 +34,17 @@ class ModelSource:
     config: ModelConfig
     model_dir: Path
     is_inline: bool = False
+    # the keys the entry's own config sets, as written: with a `source`, they
+    # override the pulled artifact's model.toml
+    declared: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 class ModelRepository:
-    def __init__(self, root: Path | None, inline_root: Path) -> None:
+    def __init__(self, root: Path | None, inline_root: Path, store: ModelStore | None = None) -> None:
         self.root = root
         self.inline_root = inline_root
         self._inline: dict[str, ModelSource] = {}
+        self.store = store if store is not None else ModelStore()
 
     def names(self) -> list[str]:
         found = set(self._inline)
@@ -48,7 +60,8 @@ class ModelRepository:
         if model_dir is None:
             raise NotFound(f"unknown model {name!r}; the repository has: {', '.join(self.names()) or 'no models'}")
         config = load_model_toml(name, model_dir / CONFIG_FILE)
-        return ModelSource(_locate_artifact(config, model_dir), model_dir)
+        declared = _declared_toml(model_dir / CONFIG_FILE) if config.source else {}
+        return ModelSource(_locate_artifact(config, model_dir), model_dir, declared=declared)
 
     def _repo_dir(self, name: str) -> Path | None:
         if self.root is None:
@@ -60,8 +73,9 @@ class ModelRepository:
         """Register a model from a Load request (tritonclient's load_model)."""
         validate_model_name(name)
         config = config_from_json(name, config_json)
-        if not files and config.is_remote and self._repo_dir(name) is None:
-            model_dir = self._write_files(name, {})  # a remote engine needs no file, only a folder of its own
+        if not files and (config.is_remote or config.source) and self._repo_dir(name) is None:
+            # a remote engine needs no file, a store model brings its own: only a folder of its own
+            model_dir = self._write_files(name, {})
         elif not files:
             # A config alone overrides the repository model's config.
             model_dir = self._repo_dir(name)
@@ -69,9 +83,21 @@ class ModelRepository:
                 raise NotFound(f"unknown model {name!r}: send its files with the config to load it inline")
         else:
             model_dir = self._write_files(name, files)
-        source = ModelSource(_locate_artifact(config, model_dir), model_dir, is_inline=True)
+        declared = _declared_json(config_json) if config.source else {}
+        source = ModelSource(_locate_artifact(config, model_dir), model_dir, is_inline=True, declared=declared)
         self._inline[name] = source
         return source
+
+    def start_pull(self, source: ModelSource):
+        """Begin (or join) the pull of a store model: (future, shared progress)."""
+        return self.store.start_pull(source.config.source)
+
+    def pulled_source(self, source: ModelSource, pulled: PulledModel) -> ModelSource:
+        """The model as the engine loads it: the pulled folder, with the
+        artifact's model.toml under the entry's own keys."""
+        config = pulled_config(source.config.name, source.config.source, source.declared, pulled)
+        return ModelSource(_locate_artifact(config, pulled.folder), pulled.folder, is_inline=source.is_inline,
+                           declared=source.declared)
 
     def _write_files(self, name: str, files: dict[str, bytes]) -> Path:
         model_dir = self.inline_root / name
@@ -89,6 +115,56 @@ class ModelRepository:
         source = self._inline.pop(name, None)
         if source is not None and source.model_dir.is_relative_to(self.inline_root):
             shutil.rmtree(source.model_dir, ignore_errors=True)
+
+
+def _declared_toml(path: Path) -> dict:
+    return tomllib.loads(path.read_text(encoding="utf-8"))  # parsed once already: it is valid
+
+
+def _declared_json(text: str) -> dict:
+    raw = json.loads(text)  # parsed once already: it is a JSON object
+    return raw
+
+
+_FORMAT_BY_SUFFIX = ((".onnx", "onnx"), (".gguf", "gguf"), (".safetensors", "safetensors"),
+                     (".mlpackage", "coreml"), (".mlmodel", "coreml"))
+
+
+def pulled_config(name: str, uri: str, declared: dict, pulled: PulledModel) -> ModelConfig:
+    """Config of a pulled model: its own model.toml (if the artifact has one),
+    overridden by the keys the repository entry or inline config set; without
+    either saying a format, the format and artifact follow its files."""
+    base: dict = {}
+    toml_path = pulled.folder / CONFIG_FILE
+    if toml_path.is_file():
+        try:
+            base = tomllib.loads(toml_path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise InvalidArgument(f"model {name!r}: the model.toml in {uri} is not valid TOML: {exc}") from None
+        base.pop("name", None)
+        base.pop("source", None)
+    merged = {**base, **{k: v for k, v in declared.items() if k not in ("name", "source")}}
+    if "format" not in merged:
+        model_format, artifact = _guess_artifact(pulled)
+        if model_format:
+            merged["format"] = model_format
+            if artifact and "artifact" not in merged:
+                merged["artifact"] = artifact
+    return dataclasses.replace(config_from_dict(name, merged), source=uri)
+
+
+def _guess_artifact(pulled: PulledModel) -> tuple[str, str]:
+    files = sorted(p.relative_to(pulled.folder).as_posix() for p in pulled.folder.rglob("*") if p.is_file())
+    hinted = pulled.hints.get("format", "")
+    for suffix, model_format in _FORMAT_BY_SUFFIX:
+        if hinted and hinted != model_format:
+            continue
+        found = [f for f in files if f.lower().endswith(suffix)]
+        if found:
+            if model_format == "safetensors":
+                return model_format, ""  # a checkpoint folder: the backend reads config.json and every shard
+            return model_format, found[0]
+    return hinted if hinted in {m for _, m in _FORMAT_BY_SUFFIX} else "", ""
 
 
 def _safe_file_path(key: str) -> PurePosixPath:

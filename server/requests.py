@@ -43,6 +43,7 @@ class InferResult:
 
 class ModelState(Enum):
     UNAVAILABLE = "UNAVAILABLE"  # known, not loaded
+    PULLING = "PULLING"  # its files are being fetched from a store (bytes in ModelStatus)
     LOADING = "LOADING"
     READY = "READY"
     UNLOADING = "UNLOADING"
@@ -56,3 +57,6 @@ class ModelStatus:
     reason: str = ""
     backend: str = ""
     nbytes: int = 0
+    # while PULLING: bytes of its files fetched (or found in the cache) and in all
+    pull_done: int = 0
+    pull_total: int = 0

@@ -92,12 +92,16 @@ class ModelLifecycle:
     def _load_finished(self, name: str, task: asyncio.Task) -> None:
         if self.models.loading.get(name) is task:
             del self.models.loading[name]
+            self.models.pulled_dirs.pop(name, None)
         if not task.cancelled():
             task.exception()  # marks it retrieved even when every waiter left
         self.models.notify(name, self.models.state_of(name))
 
     async def _load(self, name: str, source: ModelSource | None) -> ServedModel:
-        source = resolve_embedding_model(self._resolve_draft(source or self.repository.resolve(name)), self.repository)
+        source = source or self.repository.resolve(name)
+        if source.config.source:
+            source = await self._pull(name, source)
+        source = resolve_embedding_model(self._resolve_draft(source), self.repository)
         if name in self.models.served:
             await self.unload(name, forget_inline=False)
         self.workers.check_backoff(name)  # a model whose worker keeps dying waits its turn
@@ -118,6 +122,24 @@ class ModelLifecycle:
         self.models.failures.pop(name, None)
         self.metrics.loads.labels(name, "ok").inc()
         return served
+
+    async def _pull(self, name: str, source: ModelSource) -> ModelSource:
+        """Fetch a store model's files into the disk cache (PULLING meanwhile)."""
+        future, progress = self.repository.start_pull(source)
+        self.models.pulling[name] = (source.config.source, progress)
+        self.models.notify(name, ModelState.PULLING)
+        try:
+            pulled = await asyncio.shield(future)
+        except ModeldError as exc:
+            self.metrics.loads.labels(name, "failed").inc()
+            self.models.failures[name] = str(exc)
+            raise
+        finally:
+            self.models.pulling.pop(name, None)
+        self.models.notify(name, ModelState.LOADING)
+        pulled_source = self.repository.pulled_source(source, pulled)
+        self.models.pulled_dirs[name] = pulled_source.model_dir  # in use until the load ends
+        return pulled_source
 
     def backends_for(self, config: ModelConfig, after: Backend | None = None) -> list[Backend]:
         """The model's backends in the order to try them (healthy first), from after `after`."""

@@ -20,6 +20,7 @@ from modeld.server.metrics import GenerationMetrics
 from modeld.server.repository import ModelSource
 from modeld.server.requests import ModelState, ModelStatus
 from modeld.server.stats import ModelStats
+from modeld.server.store import Progress
 
 MODEL_VERSION = "1"
 
@@ -73,6 +74,8 @@ class ModelTable:
         self.loading: dict[str, asyncio.Task] = {}
         self.unloading: set[str] = set()
         self.failures: dict[str, str] = {}  # the reason the last load failed
+        self.pulling: dict[str, tuple[str, Progress]] = {}  # store models being fetched: URI and bytes
+        self.pulled_dirs: dict[str, object] = {}  # store models pulled and loading: their cache folders
         self._stats: dict[str, ModelStats] = {}
         self._listeners: list[StateListener] = []
 
@@ -98,12 +101,20 @@ class ModelTable:
             return ModelState.UNLOADING
         if name in self.served:
             return ModelState.READY
+        if name in self.pulling:
+            return ModelState.PULLING
         if name in self.loading:
             return ModelState.LOADING
         return ModelState.UNAVAILABLE
 
     def status(self, name: str) -> ModelStatus:
         served = self.served.get(name)
+        pulling = self.pulling.get(name) if served is None else None
+        if pulling is not None:
+            uri, progress = pulling
+            return ModelStatus(name, MODEL_VERSION, ModelState.PULLING,
+                               f"pulling {uri}: {progress.done} of {progress.total} bytes",
+                               pull_done=progress.done, pull_total=progress.total)
         return ModelStatus(
             name, MODEL_VERSION, self.state_of(name), self.failures.get(name, ""),
             served.backend.name if served else "", served.loaded.nbytes if served else 0,
