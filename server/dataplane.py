@@ -240,6 +240,15 @@ class DataPlane:
     async def tokenize(self, name: str, text: str) -> list[int]:
         return await self.engine.tokenize(name, text)
 
+    def context_length(self, name: str) -> int | None:
+        """The most tokens one sequence of a served language model may hold;
+        None where the model runs elsewhere (a worker process, a remote
+        engine) and has not said."""
+        served = self.engine.served(name)
+        loop = getattr(served.loaded, "loop", None) if served is not None else None
+        config = getattr(getattr(loop, "scheduler", None), "config", None)
+        return getattr(config, "context_length", None)
+
     def count_text_tokens(self, name: str, texts: list[str]) -> int | None:
         """Tokens a text model's `[text]` tokenizer makes of `texts`, as its
         graph sees them (truncated to max_length); None for a model without

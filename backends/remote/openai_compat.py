@@ -7,12 +7,20 @@ so what one server can do is learnt from its own /openapi.json at load
 (FastAPI servers publish one: llama-cpp-python, vLLM):
 
 - sampling fields beyond OpenAI's (top_k, min_p, ignore_eos,
-  stop_token_ids) are sent only to a server whose schema takes them, always
-  with modeld's value (0 = off), and repetition penalties at their neutral
-  value, so the server's own defaults (top_k 40, min_p 0.05 and
-  repeat_penalty 1.1 on llama-cpp-python; vLLM's from the model's
-  generation_config.json) never change what a request means; a request that
-  needs one the server does not take is refused, naming the field;
+  stop_token_ids, min_tokens, repetition_penalty or repeat_penalty,
+  skip_special_tokens, include_stop_str_in_output) are sent only to a
+  server whose schema takes them, always with modeld's value (0 = off), so
+  the server's own defaults (top_k 40, min_p 0.05 and repeat_penalty 1.1 on
+  llama-cpp-python; vLLM's from the model's generation_config.json) never
+  change what a request means; a request that needs one the server does
+  not take is refused, naming the field. OpenAI's own presence_penalty,
+  frequency_penalty and logit_bias go to a server without a schema too;
+- a constraint goes as the server's schema says it takes one: vLLM's
+  `structured_outputs`, its older `guided_*` fields, OpenAI's
+  `response_format` (json_object and json_schema; llama-cpp-python's
+  json_object-with-schema where its schema knows no json_schema type), or
+  a GBNF `grammar` (llama.cpp's servers); any other is refused, naming the
+  server;
 - Tokenize/Detokenize use the server's endpoints where its schema lists
   them (/extras/tokenize on llama-cpp-python, /tokenize on vLLM and SGLang);
 - usage comes from `stream_options.include_usage` where the server takes
@@ -33,27 +41,42 @@ from typing import Any, AsyncIterator
 from modeld.backends.base import Capability
 from modeld.backends.errors import ErrorKind, LoadFailed, ModeldError, Unimplemented
 from modeld.backends.generation.params import (
-    FinishReason, GenerateRequest, SamplingParams, TokenEvent,
+    Constraint, ConstraintKind, FinishReason, GenerateRequest, SamplingParams, TokenEvent,
 )
 from modeld.backends.remote.health import FailureKind
 from modeld.backends.remote.http import RemoteFailure, kind_for_status, remote_message
 from modeld.backends.remote.model import RemoteBackend
-from modeld.backends.remote.protocol import PROBE_TIMEOUT_S, RemoteFinish, RemoteProtocol
+from modeld.backends.remote.protocol import (
+    ANY_OBJECT, PROBE_TIMEOUT_S, RemoteFinish, RemoteProtocol, choice_regex, constraint_spec,
+)
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
-# (wire name, modeld's value for it, the value that means "off"); sent only
-# where the server's schema takes the field
+# (wire name, modeld's value for it, the value that means "off", in
+# OpenAI's own API); sent where the server's schema takes the field, and
+# OpenAI's own where there is no schema and the value is not off
 _EXTRAS = (
-    ("top_k", lambda p: p.top_k, 0),
-    ("min_p", lambda p: p.min_p, 0.0),
-    ("ignore_eos", lambda p: p.ignore_eos, False),
-    ("stop_token_ids", lambda p: list(p.stop_token_ids), []),
+    ("top_k", lambda p: p.top_k, 0, False),
+    ("min_p", lambda p: p.min_p, 0.0, False),
+    ("ignore_eos", lambda p: p.ignore_eos, False, False),
+    ("stop_token_ids", lambda p: list(p.stop_token_ids), [], False),
+    ("min_tokens", lambda p: p.min_tokens, 0, False),
+    ("skip_special_tokens", lambda p: p.skip_special_tokens, True, False),
+    ("include_stop_str_in_output", lambda p: p.include_stop_str_in_output, False, False),
+    ("presence_penalty", lambda p: p.presence_penalty, 0.0, True),
+    ("frequency_penalty", lambda p: p.frequency_penalty, 0.0, True),
+    ("logit_bias", lambda p: {str(t): b for t, b in p.logit_bias}, {}, True),
 )
-# knobs modeld has no parameter for: where a server takes them, the neutral
-# value keeps its defaults from changing the result
-_NEUTRAL = {"repeat_penalty": 1.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+# the repetition penalty by vLLM's spelling and by llama-cpp-python's
+_REPETITION = ("repetition_penalty", "repeat_penalty")
+# vLLM's guided_* fields (before structured_outputs) by constraint kind
+_GUIDED = {ConstraintKind.JSON_SCHEMA: "guided_json", ConstraintKind.JSON_OBJECT: "guided_json",
+           ConstraintKind.REGEX: "guided_regex", ConstraintKind.CHOICE: "guided_choice",
+           ConstraintKind.LARK: "guided_grammar", ConstraintKind.GBNF: "guided_grammar"}
+_STRUCTURED = {ConstraintKind.JSON_SCHEMA: "json", ConstraintKind.JSON_OBJECT: "json_object",
+               ConstraintKind.REGEX: "regex", ConstraintKind.CHOICE: "choice", ConstraintKind.LARK: "grammar",
+               ConstraintKind.GBNF: "grammar"}
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 
@@ -74,6 +97,7 @@ class OpenAIProtocol(RemoteProtocol):
         self.tokenize_route: tuple[str, str, str] | None = None
         self.detokenize_route: tuple[str, str, str] | None = None
         self.prompt_takes_ids = True  # OpenAI's API takes token ids; a schema may say otherwise
+        self.knows_json_schema: set[str] = {CHAT}  # paths whose response_format takes OpenAI's json_schema type
 
     # -- load --------------------------------------------------------------------------
 
@@ -98,6 +122,8 @@ class OpenAIProtocol(RemoteProtocol):
             return
         self.schema_fields = {path: _body_fields(spec, path) for path in (COMPLETIONS, CHAT)}
         self.prompt_takes_ids = _takes_int_array(spec, _body_property(spec, COMPLETIONS, "prompt"), depth=0)
+        self.knows_json_schema = {path for path in (COMPLETIONS, CHAT)
+                                  if _mentions(spec, _body_property(spec, path, "response_format"), "json_schema", 0)}
         self.tokenize_route = next((r for r in _TOKENIZE_ROUTES if r[0] in spec["paths"]), None)
         self.detokenize_route = next((r for r in _DETOKENIZE_ROUTES if r[0] in spec["paths"]), None)
 
@@ -107,7 +133,7 @@ class OpenAIProtocol(RemoteProtocol):
 
     def server_capabilities(self) -> dict[str, str]:
         schema = "its /openapi.json" if self.schema_fields is not None else "no /openapi.json"
-        extras = [name for name, _, _ in _EXTRAS if self.takes(COMPLETIONS, name)]
+        extras = [name for name, _, _, _ in _EXTRAS if self.takes(COMPLETIONS, name)]
         return {
             "sampling extras": f"{', '.join(extras) or 'none'} (from {schema})",
             "tokenize": f"yes: {self.tokenize_route[0]}" if self.tokenize_route else f"no: {self._no_route('tokenize')}",
@@ -127,9 +153,16 @@ class OpenAIProtocol(RemoteProtocol):
             return (f"{self.where} streams tokens as text without their ids, so it cannot report logprobs "
                     "(modeld's carry token ids); use engine = \"vllm\" for a vLLM server")
         path = self.path(request)
-        for name, value_of, off in _EXTRAS:
-            if value_of(request.params) != off and not self.takes(path, name):
+        p = request.params
+        for name, value_of, off, openai_own in _EXTRAS:
+            if value_of(p) != off and not self.takes(path, name) and not (openai_own and self.schema_fields is None):
                 return self.missing_field(path, name)
+        if p.repetition_penalty != 1.0 and not any(self.takes(path, name) for name in _REPETITION):
+            return self.missing_field(path, "repetition_penalty")
+        if p.constraint is not None:
+            fields = self.constraint_fields(path, p.constraint)
+            if isinstance(fields, str):
+                return fields
         if request.params.seed is not None and self.schema_fields is not None and not self.takes(path, "seed"):
             return self.missing_field(path, "seed")
         if request.token_ids and not self.prompt_takes_ids:
@@ -164,9 +197,36 @@ class OpenAIProtocol(RemoteProtocol):
         return body
 
     def extras(self, path: str, p: SamplingParams) -> dict[str, Any]:
-        sent = {name: value_of(p) for name, value_of, _ in _EXTRAS if self.takes(path, name)}
-        sent.update({name: value for name, value in _NEUTRAL.items() if self.takes(path, name)})
+        sent = {name: value_of(p) for name, value_of, off, openai_own in _EXTRAS
+                if self.takes(path, name) or (openai_own and self.schema_fields is None and value_of(p) != off)}
+        sent.update({name: p.repetition_penalty for name in _REPETITION if self.takes(path, name)})
+        if p.constraint is not None:
+            sent.update(self.constraint_fields(path, p.constraint))
         return sent
+
+    def constraint_fields(self, path: str, c: Constraint) -> dict[str, Any] | str:
+        """The body fields asking the server for the constraint, or why it
+        takes none such."""
+        spec = constraint_spec(c)
+        if self.takes(path, "structured_outputs"):
+            return {"structured_outputs": {_STRUCTURED[c.kind]: True if c.kind is ConstraintKind.JSON_OBJECT else spec}}
+        if self.takes(path, _GUIDED[c.kind]):
+            return {_GUIDED[c.kind]: ANY_OBJECT if c.kind is ConstraintKind.JSON_OBJECT else spec}
+        takes_format = self.takes(path, "response_format") or (self.schema_fields is None and path == CHAT)
+        if takes_format and c.kind is ConstraintKind.JSON_OBJECT:
+            return {"response_format": {"type": "json_object"}}
+        if takes_format and c.kind is ConstraintKind.JSON_SCHEMA:
+            if path in self.knows_json_schema:
+                return {"response_format": {"type": "json_schema",
+                                            "json_schema": {"name": "output", "schema": spec, "strict": True}}}
+            return {"response_format": {"type": "json_object", "schema": spec}}  # llama-cpp-python's shape
+        if c.kind is ConstraintKind.GBNF and self.takes(path, "grammar"):
+            return {"grammar": c.spec}
+        if c.kind is ConstraintKind.CHOICE and self.takes(path, "guided_regex"):
+            return {"guided_regex": choice_regex(c)}
+        source = "its /openapi.json lists" if self.schema_fields is not None else "OpenAI's API has"
+        return (f"{self.where} cannot constrain output to a {c.kind.value}: {source} none of structured_outputs, "
+                f"{_GUIDED[c.kind]}, response_format or grammar for {path} that takes it")
 
     def streams_usage(self, path: str) -> bool:
         # OpenAI's own option: assumed where there is no schema to ask
@@ -330,6 +390,19 @@ def _properties(spec: dict, schema: Any, depth: int) -> set[str]:
         for option in schema.get(key) or ():
             names |= _properties(spec, option, depth + 1)
     return names
+
+
+def _mentions(spec: dict, schema: Any, word: str, depth: int) -> bool:
+    """Whether a property's schema, its references followed, names `word`
+    (an enum value, a const, a property)."""
+    schema = _resolve(spec, schema)
+    if depth > 8:
+        return False
+    if isinstance(schema, dict):
+        return any(key == word or _mentions(spec, value, word, depth + 1) for key, value in schema.items())
+    if isinstance(schema, list):
+        return any(_mentions(spec, value, word, depth + 1) for value in schema)
+    return schema == word
 
 
 def _int_list(where: str, path: str, value: Any) -> list[int]:

@@ -21,12 +21,16 @@ final events. The contract:
 
 from __future__ import annotations
 
+import json
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import AsyncIterator, ClassVar, Iterable, NamedTuple
+from typing import Any, AsyncIterator, ClassVar, Iterable, NamedTuple
 
 from modeld.backends.errors import ErrorKind, ModeldError, Unimplemented
-from modeld.backends.generation.params import FinishReason, GenerateRequest, SpeculativeMode, TokenEvent
+from modeld.backends.generation.params import (
+    Constraint, ConstraintKind, FinishReason, GenerateRequest, SpeculativeMode, TokenEvent,
+)
 from modeld.backends.remote.http import RemoteHttp
 
 PROBE_TIMEOUT_S = 5.0  # a health probe slower than this is a failed one
@@ -135,6 +139,27 @@ class RemoteProtocol(ABC):
     def read_load(self, samples: list[Sample]) -> RemoteLoad | None:
         """The load figures in a /metrics scrape, None if it has none."""
         return None
+
+
+def constraint_spec(constraint: Constraint) -> Any:
+    """A constraint's spec as JSON values: a schema or a choice list as
+    objects, anything else as its text."""
+    if constraint.kind is ConstraintKind.JSON_SCHEMA:
+        return json.loads(constraint.spec)
+    if constraint.kind is ConstraintKind.CHOICE:
+        return json.loads(constraint.spec)
+    return constraint.spec
+
+
+def choice_regex(constraint: Constraint) -> str:
+    """A choice as the regex matching exactly one of its strings, for
+    engines that take a regex but no choice list."""
+    # only the metacharacters every regex dialect shares: Python's re.escape
+    # also escapes spaces and '-', which some engines' dialects refuse
+    return "(" + "|".join(re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", c) for c in json.loads(constraint.spec)) + ")"
+
+
+ANY_OBJECT = {"type": "object"}  # json_object, for engines that take only a schema
 
 
 def parse_metrics(text: str) -> list[Sample]:

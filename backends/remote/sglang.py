@@ -18,8 +18,15 @@ adapter relies on:
 - /metrics (with --enable-metrics): sglang:num_running_reqs,
   sglang:num_queue_reqs, sglang:token_usage, sglang:cache_hit_rate.
 
+Sampling extensions map to its `sampling_params` names: the three
+penalties, `min_new_tokens`, `skip_special_tokens`, `no_stop_trim` (a stop
+string kept in the output), `logit_bias`; constraints to `json_schema`
+(json_object as the schema of any object), `regex` (a choice as the regex
+of its alternatives) and `ebnf` (a GBNF grammar).
+
 Not in the native API, so refused: chat messages (its chat template runs
-in its OpenAI API: use the openai backend for that), a per-request seed.
+in its OpenAI API: use the openai backend for that), a per-request seed,
+Lark grammars (its `ebnf` is GBNF's notation).
 """
 
 from __future__ import annotations
@@ -28,12 +35,17 @@ from typing import Any, AsyncIterator
 
 from modeld.backends.base import Capability
 from modeld.backends.errors import ErrorKind, LoadFailed, ModeldError, Unimplemented
-from modeld.backends.generation.params import FinishReason, GenerateRequest, TokenEvent, TokenLogprob
+import json
+
+from modeld.backends.generation.params import (
+    Constraint, ConstraintKind, FinishReason, GenerateRequest, TokenEvent, TokenLogprob,
+)
 from modeld.backends.remote.health import FailureKind
 from modeld.backends.remote.http import RemoteFailure, kind_for_status
 from modeld.backends.remote.model import RemoteBackend
 from modeld.backends.remote.protocol import (
-    PROBE_TIMEOUT_S, RemoteFinish, RemoteLoad, RemoteProtocol, Sample, metric_sum, served_names,
+    ANY_OBJECT, PROBE_TIMEOUT_S, RemoteFinish, RemoteLoad, RemoteProtocol, Sample, choice_regex, metric_sum,
+    served_names,
 )
 
 class SglangProtocol(RemoteProtocol):
@@ -76,14 +88,23 @@ class SglangProtocol(RemoteProtocol):
                     "(engine = \"sglang\" with backends = [\"openai\"])")
         if request.params.seed is not None:
             return "SGLang's documented /generate sampling_params take no per-request seed"
+        c = request.params.constraint
+        if c is not None and c.kind is ConstraintKind.LARK:
+            return "SGLang's /generate takes grammars as ebnf (GBNF notation), not Lark; send the grammar as GBNF"
         return None
 
     def body(self, request: GenerateRequest) -> dict[str, Any]:
         p = request.params
         sampling = {"max_new_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
                     "top_k": p.top_k or -1, "min_p": p.min_p, "ignore_eos": p.ignore_eos,
-                    # modeld has no repetition knobs: neutral, whatever the server defaults to
-                    "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+                    # always sent, so the server's defaults never change a request's meaning
+                    "repetition_penalty": p.repetition_penalty, "frequency_penalty": p.frequency_penalty,
+                    "presence_penalty": p.presence_penalty, "min_new_tokens": p.min_tokens,
+                    "skip_special_tokens": p.skip_special_tokens, "no_stop_trim": p.include_stop_str_in_output}
+        if p.logit_bias:
+            sampling["logit_bias"] = {str(t): b for t, b in p.logit_bias}
+        if p.constraint is not None:
+            sampling.update(_constraint(p.constraint))
         if p.stop:
             sampling["stop"] = list(p.stop)
         if p.stop_token_ids:
@@ -190,6 +211,18 @@ class SglangProtocol(RemoteProtocol):
             kv_cache_usage=metric_sum(samples, ("sglang:token_usage",), self.model),
             prefix_cache_hit_ratio=metric_sum(samples, ("sglang:cache_hit_rate",), self.model),
         )
+
+
+def _constraint(c: Constraint) -> dict[str, str]:
+    if c.kind is ConstraintKind.JSON_SCHEMA:
+        return {"json_schema": c.spec}
+    if c.kind is ConstraintKind.JSON_OBJECT:
+        return {"json_schema": json.dumps(ANY_OBJECT)}
+    if c.kind is ConstraintKind.REGEX:
+        return {"regex": c.spec}
+    if c.kind is ConstraintKind.CHOICE:
+        return {"regex": choice_regex(c)}
+    return {"ebnf": c.spec}  # GBNF; Lark is refused before this
 
 
 class _Seen:

@@ -19,9 +19,16 @@ adapter relies on:
 - /tokenize exists (probed at load); there is no detokenize endpoint;
 - /metrics: tgi_batch_current_size (running), tgi_queue_size (waiting).
 
+- penalties: `repetition_penalty` and `frequency_penalty`; constraints as
+  `grammar` {"type": "json", "value": schema} or {"type": "regex",
+  "value": ...} (json_object as the schema of any object, a choice as the
+  regex of its alternatives).
+
 Not in TGI's /generate parameters, so refused: min_p, ignore_eos,
-stop_token_ids, token-id prompts, chat messages (TGI's chat API is its
-OpenAI one: use the openai backend for that).
+stop_token_ids, presence_penalty, logit_bias, min_tokens, special tokens
+kept in the text, a stop string kept in the output, Lark and GBNF
+grammars, token-id prompts, chat messages (TGI's chat API is its OpenAI
+one: use the openai backend for that).
 """
 
 from __future__ import annotations
@@ -31,12 +38,15 @@ from typing import Any, AsyncIterator
 from modeld.backends.base import Capability
 from modeld.backends.errors import ErrorKind, LoadFailed, ModeldError, Unimplemented
 from modeld.backends.generation.detokenize import IncrementalText
-from modeld.backends.generation.params import FinishReason, GenerateRequest, TokenEvent, TokenLogprob
+from modeld.backends.generation.params import (
+    ConstraintKind, FinishReason, GenerateRequest, TokenEvent, TokenLogprob,
+)
 from modeld.backends.remote.health import FailureKind
 from modeld.backends.remote.http import RemoteFailure
 from modeld.backends.remote.model import RemoteBackend
 from modeld.backends.remote.protocol import (
-    PROBE_TIMEOUT_S, RemoteFinish, RemoteLoad, RemoteProtocol, Sample, metric_sum, served_names,
+    ANY_OBJECT, PROBE_TIMEOUT_S, RemoteFinish, RemoteLoad, RemoteProtocol, Sample, choice_regex, constraint_spec,
+    metric_sum, served_names,
 )
 
 _FINISH = {"length": FinishReason.LENGTH, "eos_token": FinishReason.STOP, "stop_sequence": FinishReason.STOP}
@@ -75,6 +85,11 @@ class TgiProtocol(RemoteProtocol):
         p = request.params
         lacking = [name for name, asked in (
             ("min_p", p.min_p != 0.0), ("ignore_eos", p.ignore_eos), ("stop_token_ids", bool(p.stop_token_ids)),
+            ("presence_penalty", p.presence_penalty != 0.0), ("logit_bias", bool(p.logit_bias)),
+            ("min_tokens", p.min_tokens != 0), ("skip_special_tokens: false", not p.skip_special_tokens),
+            ("include_stop_str_in_output", p.include_stop_str_in_output),
+            (f"{p.constraint.kind.value if p.constraint else ''} grammar (its grammar takes json or regex)",
+             p.constraint is not None and p.constraint.kind in (ConstraintKind.LARK, ConstraintKind.GBNF)),
             ("a prompt of token ids", bool(request.token_ids)),
             ("chat messages (TGI's chat API is its OpenAI one: backends = [\"openai\"])", bool(request.messages)),
         ) if asked]
@@ -85,7 +100,18 @@ class TgiProtocol(RemoteProtocol):
     def body(self, request: GenerateRequest) -> dict[str, Any]:
         p = request.params
         parameters: dict[str, Any] = {"max_new_tokens": p.max_tokens, "details": True, "return_full_text": False,
-                                      "do_sample": not p.is_greedy, "repetition_penalty": 1.0}
+                                      "do_sample": not p.is_greedy, "repetition_penalty": p.repetition_penalty}
+        if p.frequency_penalty:
+            parameters["frequency_penalty"] = p.frequency_penalty
+        c = p.constraint
+        if c is not None and c.kind is ConstraintKind.JSON_SCHEMA:
+            parameters["grammar"] = {"type": "json", "value": constraint_spec(c)}
+        elif c is not None and c.kind is ConstraintKind.JSON_OBJECT:
+            parameters["grammar"] = {"type": "json", "value": ANY_OBJECT}
+        elif c is not None and c.kind is ConstraintKind.REGEX:
+            parameters["grammar"] = {"type": "regex", "value": c.spec}
+        elif c is not None and c.kind is ConstraintKind.CHOICE:
+            parameters["grammar"] = {"type": "regex", "value": choice_regex(c)}
         if not p.is_greedy:
             parameters["temperature"] = p.temperature
             if p.top_p < 1.0:

@@ -1,10 +1,13 @@
 """vLLM's OpenAI-compatible server: the openai backend plus what vLLM adds.
 
-- Sampling: top_k, min_p, seed, ignore_eos, stop_token_ids and logprobs,
-  always sent with modeld's values (top_k -1 for off, the spelling every
-  vLLM version takes), and repetition_penalty 1: vLLM otherwise applies the
-  defaults in the model's generation_config.json, which would change what a
-  request means.
+- Sampling: top_k, min_p, seed, ignore_eos, stop_token_ids, logprobs, the
+  presence, frequency and repetition penalties, logit_bias, min_tokens,
+  skip_special_tokens and include_stop_str_in_output, always sent with
+  modeld's values (top_k -1 for off, the spelling every vLLM version
+  takes): vLLM otherwise applies the defaults in the model's
+  generation_config.json, which would change what a request means.
+- Constraints as `structured_outputs` ({json | json_object | regex | choice
+  | grammar}), vLLM's field since it retired the `guided_*` ones.
 - Token ids: `return_tokens_as_token_ids` makes every logprob entry name
   its token as "token_id:<id>", so each request asks for logprobs (0
   alternatives when the caller wants none) to learn the ids it streams.
@@ -63,11 +66,17 @@ class VllmProtocol(OpenAIProtocol):
     def extras(self, path: str, p: SamplingParams) -> dict[str, Any]:
         extras: dict[str, Any] = {
             "top_k": p.top_k or -1, "min_p": p.min_p, "ignore_eos": p.ignore_eos,
-            "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+            "repetition_penalty": p.repetition_penalty, "frequency_penalty": p.frequency_penalty,
+            "presence_penalty": p.presence_penalty, "min_tokens": p.min_tokens,
+            "skip_special_tokens": p.skip_special_tokens, "include_stop_str_in_output": p.include_stop_str_in_output,
             "return_tokens_as_token_ids": True,
         }
         if p.stop_token_ids:
             extras["stop_token_ids"] = list(p.stop_token_ids)
+        if p.logit_bias:
+            extras["logit_bias"] = {str(t): b for t, b in p.logit_bias}
+        if p.constraint is not None:
+            extras.update(self.constraint_fields(path, p.constraint))
         if path == CHAT:
             extras.update(logprobs=True, top_logprobs=p.logprobs)
         else:

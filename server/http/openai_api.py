@@ -1,5 +1,6 @@
 """The OpenAI-compatible API (/v1): chat completions, completions,
-embeddings and the model list, over the same data plane as gRPC.
+embeddings and the model list, over the same data plane as gRPC; and
+vLLM's /tokenize and /detokenize beside it, in vLLM's shapes.
 
 The endpoints live by noun: openai_chat.py (chat and completions, JSON and
 server-sent events), openai_embeddings.py, and openai_fields.py for what
@@ -18,7 +19,9 @@ from modeld.backends.errors import NotFound
 from modeld.server.dataplane import DataPlane
 from modeld.server.http.openai_chat import answer_generation
 from modeld.server.http.openai_embeddings import embeddings
-from modeld.server.http.openai_fields import error_response, takes_json_body
+from modeld.server.http.openai_fields import (
+    FieldError, check_fields, error_response, get_bool, model_name, takes_json_body,
+)
 from modeld.server.requests import ModelState, ModelStatus
 
 
@@ -39,7 +42,36 @@ class OpenAIApi:
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/models", self.list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
         ]
+
+    @takes_json_body
+    async def tokenize(self, request: Request, body: dict) -> Response:
+        model = model_name(body)
+        check_fields(body, {"model", "prompt", "messages", "add_special_tokens"}, "/tokenize")
+        if body.get("messages") is not None:
+            raise FieldError("messages", "/tokenize takes a prompt here, not messages (the chat template is applied "
+                                         "inside the model's worker); send the rendered text as prompt")
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise FieldError("prompt", "prompt must be a string")
+        if not get_bool(body, "add_special_tokens", True):
+            raise FieldError("add_special_tokens", "add_special_tokens: false is not supported; the model's tokenizer "
+                                                   "adds its special tokens (a BOS) as generation does")
+        tokens = await self.plane.tokenize(model, prompt) if prompt else []
+        return JSONResponse({"tokens": tokens, "count": len(tokens),
+                             "max_model_len": self.plane.context_length(model)})
+
+    @takes_json_body
+    async def detokenize(self, request: Request, body: dict) -> Response:
+        model = model_name(body)
+        check_fields(body, {"model", "tokens"}, "/detokenize")
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                   for t in tokens):
+            raise FieldError("tokens", "tokens must be an array of token ids (non-negative integers)")
+        return JSONResponse({"prompt": await self.plane.detokenize(model, tokens) if tokens else ""})
 
     @takes_json_body
     async def chat_completions(self, request: Request, body: dict) -> Response:
