@@ -5,23 +5,37 @@ event streams read with httpx-sse.
 Every failure leaves here as a ModeldError. One the health tracker must
 count (unreachable, timeout, 5xx, a broken stream) is a RemoteFailure, an
 Unavailable that says which FailureKind it was; an answer that refuses the
-request on its merits (4xx) keeps the remote's own message and maps by
-meaning through one table, kind_for_status.
+request on its merits (4xx) maps by meaning through one table,
+kind_for_status.
+
+A remote's error body reaches the caller summarised, never quoted raw: the
+status, its reason phrase and, where the body is an engine's JSON error,
+the first line of its message, cut short, with URLs' userinfo and absolute
+paths taken out. A body can be anything the host at the URL sends (a proxy's
+page, an internal service's answer), and the caller chose the URL; the
+operator finds the body itself in the daemon's log (remote_error_body).
 """
 
 from __future__ import annotations
 
+import http
 import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import httpx
+import structlog
 from httpx_sse import SSEError, aconnect_sse
 
+from modeld.backends.artifact_paths import scrub_paths
 from modeld.backends.errors import ErrorKind, ModeldError, Unavailable, error_for
+from modeld.backends.remote.egress import redact_text, redact_url
 from modeld.backends.remote.health import FailureKind
 
-_MAX_MESSAGE = 500  # characters of a remote's error body worth quoting to a client
+log = structlog.get_logger("modeld.remote")
+
+_MAX_MESSAGE = 160  # characters of an engine's own error message shown to a client
+_MAX_LOGGED = 2000  # characters of a remote's error body kept in the daemon's log
 _CONNECT_TIMEOUT_S = 10.0
 
 
@@ -44,7 +58,7 @@ class Endpoint:
 
     @property
     def where(self) -> str:
-        return f"the {self.engine} engine at {self.url}"
+        return f"the {self.engine} engine at {redact_url(self.url)}"
 
 
 class RemoteHttp:
@@ -104,8 +118,9 @@ class RemoteHttp:
         try:
             return response.json()
         except ValueError:
-            raise RemoteFailure(f"{self.endpoint.where} answered {path} with something that is not JSON: "
-                                f"{_quote(response.text)}", FailureKind.BROKEN_STREAM) from None
+            _log_body(self.endpoint.where, response.status_code, response.text)
+            raise RemoteFailure(f"{self.endpoint.where} answered {path} with something that is not JSON",
+                                FailureKind.BROKEN_STREAM) from None
 
     async def events(self, path: str, body: Any) -> AsyncIterator[Any]:
         """POST `body` and yield the JSON of each server-sent event, until the
@@ -136,7 +151,7 @@ class RemoteHttp:
 
     def transport_failure(self, exc: httpx.HTTPError, path: str, mid_stream: bool = False) -> RemoteFailure:
         where = f"{self.endpoint.where} ({path})"
-        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        detail = f"{type(exc).__name__}: {_clean(str(exc))}" if str(exc) else type(exc).__name__
         if isinstance(exc, httpx.ConnectError):
             return RemoteFailure(f"{where} is unreachable ({detail})", FailureKind.UNREACHABLE)
         if isinstance(exc, httpx.TimeoutException):
@@ -151,8 +166,8 @@ def _event_json(where: str, data: str) -> Any:
     try:
         return json.loads(data)
     except ValueError:
-        raise RemoteFailure(f"{where} sent a malformed event (not JSON): {_quote(data)}",
-                            FailureKind.BROKEN_STREAM) from None
+        _log_body(where, 200, data)
+        raise RemoteFailure(f"{where} sent a malformed event (not JSON)", FailureKind.BROKEN_STREAM) from None
 
 
 # One table for every remote protocol, whether the status comes as the HTTP
@@ -179,7 +194,8 @@ def kind_for_status(status: int | None) -> ErrorKind:
 
 def error_for_status(where: str, status: int, body: str) -> ModeldError:
     """An HTTP error answer as the error a client of modeld should see."""
-    text = f"{where} answered HTTP {status}: {remote_message(body)}"
+    _log_body(where, status, body)
+    text = f"{where} answered HTTP {status}: {remote_message(body, status)}"
     kind = kind_for_status(status)
     if kind is ErrorKind.UNAVAILABLE:
         return RemoteFailure(text, FailureKind.TIMEOUT if status == 408 else FailureKind.SERVER_ERROR)
@@ -188,14 +204,21 @@ def error_for_status(where: str, status: int, body: str) -> ModeldError:
     return error_for(kind, text)
 
 
-def remote_message(body: str) -> str:
-    """The human part of an error body: OpenAI's {"error": {"message"}},
-    FastAPI's {"detail"}, TGI's {"error"}, vLLM's {"message"}, or the text."""
+def remote_message(body: str, status: int | None = None) -> str:
+    """A summary of an error body: the first line of the message an engine's
+    JSON error carries (OpenAI's {"error": {"message"}}, FastAPI's
+    {"detail"}, TGI's {"error"}, vLLM's {"message"}), cut short and cleaned;
+    for any other body only the status's reason phrase."""
     try:
         data = json.loads(body)
     except ValueError:
-        return _quote(body)
-    return _quote(_message_of(data))
+        data = None
+    message = _message_of(data) if isinstance(data, (dict, list)) else ""
+    line = " ".join(message.strip().splitlines()[0].split()) if message.strip() else ""
+    if not line:
+        return _phrase(status)
+    line = _clean(line)
+    return line if len(line) <= _MAX_MESSAGE else line[:_MAX_MESSAGE] + "..."
 
 
 def _message_of(data: Any) -> str:
@@ -203,12 +226,22 @@ def _message_of(data: Any) -> str:
         for key in ("error", "detail", "message", "msg"):
             if key in data and data[key]:
                 return _message_of(data[key])
-        return json.dumps(data)
+        return ""  # some other JSON: not an error message to show
     if isinstance(data, list):
-        return "; ".join(_message_of(item) for item in data)
+        return "; ".join(m for m in (_message_of(item) for item in data[:8]) if m)
     return str(data)
 
 
-def _quote(text: str) -> str:
-    text = text.strip() or "(empty body)"
-    return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE] + "..."
+def _phrase(status: int | None) -> str:
+    try:
+        return f"{http.HTTPStatus(status).phrase} (no message)" if status else "(no message)"
+    except ValueError:
+        return "(no message)"
+
+
+def _clean(text: str) -> str:
+    return scrub_paths(redact_text(text))
+
+
+def _log_body(where: str, status: int, body: str) -> None:
+    log.warning("remote_error_body", where=where, status=status, body=redact_text(body[:_MAX_LOGGED]))

@@ -32,6 +32,7 @@ from modeld.backends.errors import (
 from modeld.backends.generation.params import FinalEvent, FinishReason, GenerateRequest, TokenEvent, Usage
 from modeld.backends.model_config import ModelConfig, TensorSpec
 from modeld.backends.options import RemoteOptions
+from modeld.backends.remote.egress import check_api_key_env, check_destination, check_key_transport, redact_url
 from modeld.backends.remote.health import FailureKind, HealthTracker
 from modeld.backends.remote.http import Endpoint, RemoteFailure, RemoteHttp
 from modeld.backends.remote.protocol import RemoteFinish, RemoteLoad, RemoteProtocol
@@ -75,11 +76,17 @@ class RemoteBackend(Backend):
         engine answers and serves the model, in a private event loop whose
         client closes with it; the model opens its own in start()."""
         options = config.backend_options.remote
-        endpoint = Endpoint(options.engine, options.url.rstrip("/"), _api_key(options), options.timeout_s)
+        # the operator's settings first: nothing is read or sent for a config they refuse
+        check_api_key_env(config.name, options.api_key_env, config.policy)
+        destination = check_destination(config.name, options.url, config.policy)
+        api_key = _api_key(options)
+        if api_key:
+            check_key_transport(config.name, destination)
+        endpoint = Endpoint(options.engine, options.url.rstrip("/"), api_key, options.timeout_s)
         protocol = self.protocol(RemoteHttp(endpoint), options.model or config.name)
         asyncio.run(_inspect(protocol))
         model = RemoteModel(protocol, options, config.name)
-        log.info("remote_model_inspected", model=config.name, backend=self.name, url=endpoint.url,
+        log.info("remote_model_inspected", model=config.name, backend=self.name, url=redact_url(endpoint.url),
                  remote_model=protocol.model, **{k.replace(" ", "_"): v for k, v in model.server_capabilities.items()})
         return model
 
@@ -300,9 +307,10 @@ class RemoteModel(GenerativeModel):
 
     def _health_changed(self, is_healthy: bool, reason: str) -> None:
         if is_healthy:
-            log.info("remote_healthy", model=self.name, url=self.protocol.http.endpoint.url)
+            log.info("remote_healthy", model=self.name, url=redact_url(self.protocol.http.endpoint.url))
         else:
-            log.warning("remote_unhealthy", model=self.name, url=self.protocol.http.endpoint.url, reason=reason)
+            log.warning("remote_unhealthy", model=self.name, url=redact_url(self.protocol.http.endpoint.url),
+                        reason=reason)
         self._tell("on_remote_health", is_healthy)
         if self._health_listener is not None:
             self._health_listener(is_healthy)

@@ -25,6 +25,7 @@ from modeld.backends.errors import (
     ErrorKind, InvalidArgument, ModeldError, NotFound, ResourceExhausted, Unavailable, Unimplemented,
 )
 from modeld.backends.generation.params import FinalEvent, FinishReason, GenerateRequest, SamplingParams
+from modeld.backends.load_policy import LoadPolicy
 from modeld.backends.registry import BackendRegistry
 from modeld.gen import generation_pb2 as gpb
 from modeld.gen import inference_pb2 as ipb
@@ -330,6 +331,7 @@ async def test_a_server_that_serves_another_model_fails_the_load(fake, backend, 
 async def test_a_missing_key_variable_fails_the_load(fake, tmp_path, monkeypatch):
     monkeypatch.delenv("MODELD_TEST_NO_SUCH_KEY", raising=False)
     engine = _engine(tmp_path)
+    engine.use_load_policy(LoadPolicy(remote_api_key_envs=frozenset({"MODELD_TEST_NO_SUCH_KEY"})))
     engine.repository.add_inline("m", json.dumps(_config(fake, "vllm", api_key_env="MODELD_TEST_NO_SUCH_KEY")), {})
     with pytest.raises(InvalidArgument, match="MODELD_TEST_NO_SUCH_KEY, which is not set"):
         await engine.load("m")

@@ -42,11 +42,15 @@ def test_status_codes_map_by_meaning(status, kind, failure):
     ('{"error": "Input validation error: `inputs` must not be empty", "error_type": "validation"}',
      "Input validation error"),
     ('{"detail": [{"loc": ["body", "max_tokens"], "msg": "must be >= 0"}]}', "must be >= 0"),
-    ("Internal Server Error", "Internal Server Error"),
-    ("", "(empty body)"),
 ])
 def test_the_remote_message_is_kept(body, message):
     assert message in remote_message(body)
+
+
+@pytest.mark.parametrize("body", ["Internal Server Error", "", "<html>internal page: token=abc</html>",
+                                  '{"Code": "Success", "SecretAccessKey": "abc"}'])
+def test_a_body_that_is_no_engine_error_is_summarised_by_its_status(body):
+    assert remote_message(body, 502) == "Bad Gateway (no message)"
 
 
 def test_a_huge_error_body_is_cut():
