@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     _gateway_args(sub)
     _client_args(sub)
     _token_args(sub)
+    from modeld.server.store.cli import add_store_args
+
+    add_store_args(sub, _credential_args)
     for name in ("models", "health", "load", "unload", "infer"):
         _credential_args(sub.choices[name])
     return parser
@@ -138,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         return gateway(args)
     if args.command == "token":
         return make_token(args.role)
+    if args.command in ("pull", "push"):
+        from modeld.server.store.cli import run_store_command
+
+        return run_store_command(args, _client_credentials)
     if args.command == "prepare":
         from modeld.server.prepare import prepare_repository
 

@@ -176,11 +176,12 @@ class ModelStore:
 
     # -- pushing -------------------------------------------------------------
 
-    def push(self, folder: Path, text: str) -> str:
+    def push(self, folder: Path, text: str, model_format: str = "") -> str:
+        """Write `folder` to an oci:// URI as a ModelPack artifact; its manifest digest."""
         uri = parse_uri(text)
         if uri.scheme != "oci":
             raise InvalidArgument(f"modeld pushes to oci:// registries, not {uri.scheme}://")
-        return self._oci.push(folder, uri)
+        return self._oci.push(folder, uri, model_format)
 
     def close(self) -> None:
         self._oci.close()
