@@ -40,6 +40,7 @@ class PagedScheduler(BaseScheduler):
     def __init__(self, config: PagedConfig) -> None:
         super().__init__(config)
         self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.min_shared_prefix = config.block_size  # the cache shares whole blocks
         self.num_preemptions = 0
 
     @property

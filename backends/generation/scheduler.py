@@ -25,6 +25,7 @@ from modeld.backends.errors import InvalidArgument, ResourceExhausted
 from modeld.backends.generation.interface import SeqResult, StepPlan
 from modeld.backends.generation.params import FinishReason, queue_rank
 from modeld.backends.generation.sequence import Sequence, SeqStatus
+from modeld.backends.generation.slots import common_prefix
 
 
 @dataclass(frozen=True)
@@ -117,8 +118,36 @@ class BaseScheduler(ABC):
         return 0
 
     def _next_waiting(self) -> Sequence | None:
-        """The next sequence to admit; cancelled ones wait for update() to drop them."""
-        return next((s for s in self.waiting if not s.is_cancelled), None)
+        """The next sequence to admit; cancelled ones wait for update() to
+        drop them, and one whose prompt a running sequence is computing
+        waits for it (see _waits_for_prefix)."""
+        return next((s for s in self.waiting if not s.is_cancelled and not self._waits_for_prefix(s)), None)
+
+    # the fewest shared prompt tokens worth waiting for (a subclass knows what
+    # its prefix cache can share: a block, or a slot copy's break-even)
+    min_shared_prefix = 16
+
+    def _waits_for_prefix(self, seq: Sequence) -> bool:
+        """Whether seq should wait for a running sequence that is prefilling
+        the same prompt prefix: once that one's KV is in, seq takes it from
+        the prefix cache, so n requests with one prompt (an n > 1 fan-out,
+        or a burst of the same system prompt) compute it once instead of n
+        times. It costs seq nothing it would not have spent: prompt work is
+        compute-bound, and computing the prompt twice at once takes as long
+        as computing it once and then waiting. Continuous batching only: a
+        batch policy admits its batch whole."""
+        admission = getattr(self.config, "admission", None) or CONTINUOUS
+        if admission.policy != "continuous" or not seq.params.cache_prompt or seq.num_output or not seq.prompt_ids:
+            return False
+        for other in self.running:
+            if other.is_cancelled or not other.params.cache_prompt or not other.is_prefilling:
+                continue
+            if other.prompt_ids[0] != seq.prompt_ids[0]:
+                continue
+            shared = min(common_prefix(other.prompt_ids, seq.prompt_ids), seq.num_prompt - 1)
+            if shared >= self.min_shared_prefix and other.num_computed < shared:
+                return True
+        return False
 
     def _start(self, seq: Sequence) -> None:
         self.waiting.remove(seq)

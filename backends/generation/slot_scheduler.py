@@ -43,6 +43,7 @@ class SlotScheduler(BaseScheduler):
     def __init__(self, config: SlotConfig) -> None:
         super().__init__(config)
         self.slots = SlotPool(config.num_slots, config.min_copy_tokens)
+        self.min_shared_prefix = config.min_copy_tokens  # a shorter prefix is recomputed, not copied
         self._pending_ops: list[KvOp] = []
 
     @property

@@ -104,10 +104,15 @@ class LlamaModel:
     def constraint_tokenizer(self):
         """llguidance's tokenizer over this GGUF vocabulary; every
         end-of-generation token ends a constrained output."""
+        import warnings
+
         from llguidance.llamacpp import lltokenizer_from_vocab
 
-        return lltokenizer_from_vocab(self.vocab, n_vocab=self.vocab_size,
-                                      eos_token=[int(t) for t in self.end_of_generation_ids()])
+        with warnings.catch_warnings():
+            # its helper asks each token's attributes through a deprecated alias: one warning per token
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return lltokenizer_from_vocab(self.vocab, n_vocab=self.vocab_size,
+                                          eos_token=[int(t) for t in self.end_of_generation_ids()])
 
     def chat_template_source(self) -> str:
         """The GGUF metadata's tokenizer.chat_template ("" when it has none)."""
