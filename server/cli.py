@@ -71,7 +71,15 @@ def _gateway_args(sub) -> None:
                         "(daemons dialled by IP)")
     p.add_argument("--node-token-file", dest="node_token_file", metavar="FILE",
                    help="the gateway's own token (first word of the first non-comment line, role infer), "
-                        "sent on its health and Stats probes; forwarded calls keep the client's own")
+                        "sent on its health and Stats probes; forwarded calls keep the client's own. Without "
+                        "--node-tls-ca it is also the fleet token a node must prove it holds to join the ring")
+    p.add_argument("--tls-cert", dest="tls_cert", metavar="FILE",
+                   help="PEM certificate chain for the gateway's client port (with --tls-key)")
+    p.add_argument("--tls-key", dest="tls_key", metavar="FILE", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", dest="tls_client_ca", metavar="FILE",
+                   help="mutual TLS on the client port: clients need a certificate this CA signed")
+    p.add_argument("--auth-token-file", dest="auth_token_file", metavar="FILE",
+                   help="client tokens, roles and tenants in the daemon's format; every call but probes needs one")
 
 
 def _client_args(sub) -> None:
@@ -183,7 +191,9 @@ def gateway(args) -> int:
     flags = {"nodes": args.node, **{k: getattr(args, k) for k in ("dns", "host", "grpc_port", "metrics_port",
                                                                    "replicas", "log_format", "node_tls_ca",
                                                                    "node_tls_cert", "node_tls_key",
-                                                                   "node_tls_server_name", "node_token_file")}}
+                                                                   "node_tls_server_name", "node_token_file",
+                                                                   "tls_cert", "tls_key", "tls_client_ca",
+                                                                   "auth_token_file")}}
     return _run_until_signalled(lambda: load_gateway_settings(flags, config_file=args.config),
                                 GatewayConfigError, Gateway)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from pathlib import Path
 
 import grpc
 import structlog
@@ -20,6 +21,7 @@ from modeld.server.gateway.nodes import Fleet
 from modeld.server.gateway.router import Router
 from modeld.server.gateway.service import GENERATION, INFERENCE, GatewayService
 from modeld.server.reflection import reflection_pool
+from modeld.server.tls import ServerTls, add_port
 
 log = structlog.get_logger("modeld.gateway")
 
@@ -31,6 +33,13 @@ class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.metrics = GatewayMetrics()
+        # the client port's credentials: the daemon's own modules and file formats
+        self.tls = ServerTls(settings.client_tls_files()) if settings.tls_cert else None
+        self.auth = None
+        if settings.auth_token_file:
+            from modeld.server.auth import Authenticator
+
+            self.auth = Authenticator(Path(settings.auth_token_file), registry=self.metrics.registry)
         self.fleet = Fleet(settings, self.metrics, NodeCredentials.load(settings))
         self.router = Router(self.fleet, settings, self.metrics)
         self.service = GatewayService(self.fleet, self.router, settings, self.metrics)
@@ -44,17 +53,22 @@ class Gateway:
 
     async def start(self) -> int:
         s = self.settings
+        interceptors = []
+        if self.auth is not None:
+            from modeld.server.auth import AuthInterceptor
+
+            interceptors.append(AuthInterceptor(self.auth))
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
             ("grpc.so_reuseport", 0),
-        ])
+        ], interceptors=interceptors or None)
         self.server.add_generic_rpc_handlers(self.service.handlers())
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [INFERENCE, GENERATION, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server,
             pool=reflection_pool())
-        self.port = self.server.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        self.port = add_port(self.server, f"{s.host}:{s.grpc_port}", self.tls)
         if self.port == 0:
             raise OSError(f"cannot listen on {s.host}:{s.grpc_port}")
         await self.server.start()
@@ -70,7 +84,14 @@ class Gateway:
         self._tasks.append(loop.create_task(self._follow_health()))
         log.info("gateway_started", host=s.host, grpc_port=self.port, metrics_port=self.metrics_port,
                  nodes=list(s.nodes), dns=s.dns, replicas=s.replicas, node_tls=self.fleet.credentials.tls,
-                 node_mutual_tls=bool(s.node_tls_cert), node_token=self.fleet.credentials.has_token)
+                 node_mutual_tls=bool(s.node_tls_cert), node_token=self.fleet.credentials.has_token,
+                 fleet_proof=s.fleet_proof_required,
+                 tls="mutual" if self.tls is not None and self.tls.mutual else "on" if self.tls is not None else "off",
+                 auth=f"{len(self.auth.table)} tokens" if self.auth is not None else "off")
+        if s.host not in ("127.0.0.1", "localhost", "::1") and (self.tls is None or self.auth is None):
+            log.warning("gateway_client_port_open", host=s.host, tls=self.tls is not None, auth=self.auth is not None,
+                        hint="give --tls-cert/--tls-key and --auth-token-file: any caller that reaches the port "
+                             "can use every node through it")
         return self.port
 
     async def _follow_health(self) -> None:
@@ -110,11 +131,23 @@ class Gateway:
             self._metrics_server.shutdown()
         log.info("gateway_stopped")
 
+    def reload_credentials(self) -> None:
+        """SIGHUP: reread the client port's certificates and tokens, as the
+        daemon does; a file that fails to load keeps the old ones (logged)."""
+        if self.tls is None and self.auth is None:
+            log.info("reload_skipped", reason="no TLS or token file configured")
+            return
+        if self.tls is not None:
+            self.tls.reload()
+        if self.auth is not None:
+            self.auth.reload()
+
     async def run_until_signalled(self) -> None:
         loop = asyncio.get_running_loop()
         stop_requested = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop_requested.set)
+        loop.add_signal_handler(signal.SIGHUP, self.reload_credentials)
         await self.start()
         await stop_requested.wait()
         await self.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 
+from modeld.server import tenants
 from modeld.server.gateway.failure import CallFailed
 from modeld.server.request_context import REQUEST_ID_HEADER, new_request_id, usable_client_id
 
@@ -29,10 +30,11 @@ class CallOptions:
     judges the client's token (the gateway's own token, --node-token-file,
     rides only on its health and Stats probes, never on a forwarded call)."""
 
-    __slots__ = ("metadata", "request_id", "update", "urgent", "_context")
+    __slots__ = ("metadata", "request_id", "update", "urgent", "kserve_timeout_s", "_context")
 
     def __init__(self, context: grpc.aio.ServicerContext) -> None:
         self._context = context
+        self.kserve_timeout_s: float | None = None  # the request's own KServe `timeout`, once read
         metadata, request_id, self.update, self.urgent = [], None, False, False
         for key, value in context.invocation_metadata() or ():
             if key.startswith(":") or key in _DROPPED:
@@ -45,6 +47,12 @@ class CallOptions:
                 request_id = usable_client_id(value)
                 continue
             metadata.append((key, value))
+        tenant = tenants.current()  # set by the token check (server/auth.py) when the gateway has tokens
+        if tenant is not None:
+            if self.update and (why := tenant.update_refusal()) is not None:
+                raise CallFailed(grpc.StatusCode.PERMISSION_DENIED, why)
+            if self.urgent and not tenant.clamp_priority(1):
+                self.urgent = False  # a tenant without the right to priority is served at the default urgency
         # the node's logs and ours carry one id for the call
         self.request_id = request_id or new_request_id()
         metadata.append((REQUEST_ID_HEADER, self.request_id))

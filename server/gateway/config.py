@@ -43,8 +43,31 @@ class GatewaySettings:
     node_tls_key: str = ""
     node_tls_server_name: str = ""       # the name checked in each node's certificate instead of the dialled host
     node_token_file: str = ""            # the gateway's own token, for its Stats polls and health watches only
+    # its own client port: TLS, mutual TLS, tokens and tenants, as the daemon's
+    # (server/tls.py, server/auth.py), all reread on SIGHUP
+    tls_cert: str = ""                   # PEM chain; with tls_key the client port serves TLS
+    tls_key: str = ""
+    tls_client_ca: str = ""              # mutual TLS: clients need a certificate this CA signed
+    auth_token_file: str = ""            # the daemon's token file format; set: every call but probes needs a token
+    # a request this large has its routing fields read in a thread, so the
+    # event loop (other calls, health answers) never walks it
+    parse_in_thread_bytes: int = 1 << 20
+    max_request_fields: int = 100_000    # top-level protobuf fields a request may have; more is RESOURCE_EXHAUSTED
     weights: ScoreWeights = field(default_factory=ScoreWeights)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
+
+    def client_tls_files(self):
+        from modeld.server.tls import TlsFiles
+
+        return TlsFiles(Path(self.tls_cert), Path(self.tls_key), Path(self.tls_client_ca) if self.tls_client_ca else None)
+
+    @property
+    def fleet_proof_required(self) -> bool:
+        """Whether a node must prove it holds the fleet token before it joins
+        the ring: with a token and no TLS toward the nodes, nothing else
+        tells a daemon of the fleet from any pod that answers on the port.
+        (With TLS, the node's certificate, signed by --node-tls-ca, is the proof.)"""
+        return bool(self.node_token_file) and not self.node_tls_ca
 
     def describe(self) -> str:
         source = f"dns {self.dns}" if self.dns else f"nodes {', '.join(self.nodes)}"
@@ -53,6 +76,10 @@ class GatewaySettings:
             security.append("mutual TLS to nodes" if self.node_tls_cert else "TLS to nodes")
         if self.node_token_file:
             security.append("a token for its node probes")
+        if self.tls_cert:
+            security.append("mutual TLS for clients" if self.tls_client_ca else "TLS for clients")
+        if self.auth_token_file:
+            security.append("client tokens")
         return (f"gateway on {self.host}:{self.grpc_port}, {source}, {self.replicas} replicas per model, "
                 f"metrics on {self.metrics_port}" + "".join(f", {part}" for part in security))
 
@@ -83,6 +110,14 @@ class NodeCredentials:
     @property
     def has_token(self) -> bool:
         return self._token is not None
+
+    def expected_proof(self, challenge: str) -> str | None:
+        """What a node holding the fleet token answers `challenge` with."""
+        if self._token is None:
+            return None
+        from modeld.server.auth import fleet_proof, token_digest
+
+        return fleet_proof(token_digest(self._token), challenge)
 
     def __repr__(self) -> str:
         return f"NodeCredentials(tls={self.tls}, token={'set' if self.has_token else 'none'})"
@@ -226,4 +261,31 @@ def _check(s: GatewaySettings) -> None:
         given = "--node-tls-cert" if s.node_tls_cert else "--node-tls-server-name"
         raise GatewayConfigError(f"{given} needs --node-tls-ca (the CA that signed the nodes' certificates), "
                                  "which turns TLS toward the nodes on")
+    if s.parse_in_thread_bytes < 0 or s.max_request_fields < 1:
+        raise GatewayConfigError("gateway.parse_in_thread_bytes must not be negative and "
+                                 "gateway.max_request_fields must be at least 1")
     NodeCredentials.load(s)  # every file readable and usable now, not at the first node
+    _check_client_security(s)
+
+
+def _check_client_security(s: GatewaySettings) -> None:
+    """The client port's certificates and tokens, read now, as the daemon does."""
+    if bool(s.tls_cert) != bool(s.tls_key):
+        given, missing = ("--tls-cert", "--tls-key") if s.tls_cert else ("--tls-key", "--tls-cert")
+        raise GatewayConfigError(f"{given} needs {missing}: TLS takes a certificate and its key")
+    if s.tls_client_ca and not s.tls_cert:
+        raise GatewayConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key too")
+    if s.tls_cert:
+        from modeld.server.tls import TlsError, check_files
+
+        try:
+            check_files(s.client_tls_files())
+        except TlsError as exc:
+            raise GatewayConfigError(str(exc)) from None
+    if s.auth_token_file:
+        from modeld.server.auth import TokenFileError, load_token_file
+
+        try:
+            load_token_file(Path(s.auth_token_file))
+        except TokenFileError as exc:
+            raise GatewayConfigError(str(exc)) from None

@@ -31,3 +31,5 @@ class GatewayMetrics:
         self.serving = Gauge("modeld_gateway_node_serving", "1 while the node's health says SERVING",
                              ["node"], registry=r)
         self.nodes = Gauge("modeld_gateway_nodes", "Nodes known to the gateway", registry=r)
+        self.admitted = Gauge("modeld_gateway_node_admitted", "1 once the node proved it holds the fleet token "
+                              "(or no proof is asked: TLS to the nodes, or no token)", ["node"], registry=r)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import secrets
 import time
 from collections.abc import Callable
 
@@ -13,6 +15,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from modeld.gen import node_pb2, node_pb2_grpc
+from modeld.server.auth import FLEET_CHALLENGE_HEADER, FLEET_PROOF_HEADER
 from modeld.server.gateway.breaker import BreakerState, CircuitBreaker, is_server_failure
 from modeld.server.gateway.config import GatewaySettings, NodeCredentials
 from modeld.server.gateway.metrics import BREAKER_VALUE, GatewayMetrics
@@ -45,6 +48,10 @@ class Node:
         # the gateway's own calls (health Watch, Stats) carry its token;
         # forwarded calls carry the client's metadata only (call_options.CallOptions)
         self._probe_metadata = credentials.probe_metadata
+        self._credentials = credentials
+        # admitted: it proved it holds the fleet token, or no proof is asked
+        # (its TLS certificate is the proof, or the gateway has no token)
+        self.admitted = not settings.fleet_proof_required
         options = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
@@ -173,7 +180,52 @@ class Node:
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._watch_health()), loop.create_task(self._poll_stats())]
+        if self.admitted:
+            self._tasks = [loop.create_task(self._watch_health()), loop.create_task(self._poll_stats())]
+            self.metrics.admitted.labels(self.address).set(1)
+        else:
+            self.metrics.admitted.labels(self.address).set(0)
+            self._tasks = [loop.create_task(self._admit())]
+
+    async def _admit(self) -> None:
+        """Until the node proves it holds the fleet token, it gets no call and
+        not even the gateway's own token: the challenge rides on an open
+        health Check, and the node answers with an HMAC of it keyed by the
+        token's digest (server/auth.py fleet_proof). Then the watches start."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        backoff, logged = 0.1, ""
+        while True:
+            challenge = secrets.token_urlsafe(24)
+            why = ""
+            try:
+                call = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=max(1.0, self.settings.stats_timeout_s),
+                                  metadata=((FLEET_CHALLENGE_HEADER, challenge),))
+                await call
+                proof = next((v for k, v in (await call.trailing_metadata() or ()) if k == FLEET_PROOF_HEADER), None)
+                expected = self._credentials.expected_proof(challenge)
+                if proof is None:
+                    why = ("it gave no fleet proof: mark the gateway's token fleet=yes in the daemon's token file "
+                           "(or use TLS toward the nodes)")
+                elif expected is None or not hmac.compare_digest(str(proof), expected):
+                    why = "its fleet proof is wrong: it does not hold the gateway's token (--node-token-file)"
+            except grpc.aio.AioRpcError as exc:
+                why = f"fleet challenge: {exc.code().name}: {exc.details()}"
+                if self._connect_hint and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    why += f" ({self._connect_hint})"
+            if not why:
+                self.admitted = True
+                self.last_error = ""
+                self.metrics.admitted.labels(self.address).set(1)
+                log.info("node_admitted", node=self.name, address=self.address)
+                loop = asyncio.get_running_loop()
+                self._tasks += [loop.create_task(self._watch_health()), loop.create_task(self._poll_stats())]
+                return
+            self.last_error = f"not admitted to the ring: {why}"
+            if why != logged:
+                log.warning("node_not_admitted", node=self.name, address=self.address, reason=why)
+                logged = why
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
 
     async def close(self) -> None:
         for task in self._tasks:

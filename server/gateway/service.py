@@ -18,6 +18,7 @@ import grpc
 import structlog
 
 from modeld.gen import generation_pb2, inference_pb2
+from modeld.server import tenants
 from modeld.server.gateway import wire
 from modeld.server.gateway.call_options import CallOptions
 from modeld.server.gateway.config import GatewaySettings
@@ -56,12 +57,8 @@ def _continued_key(request: generation_pb2.GenerateRequest, key: str, completion
     return key + completion if request.WhichOneof("input") == "prompt" else key
 
 
-def _string_field(data: bytes, field: int) -> str:
-    """The routing field of a request's bytes; INVALID_ARGUMENT when they do not parse."""
-    try:
-        return wire.string_field(data, field)
-    except wire.WireError as exc:
-        raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse the request: {exc}") from None
+def _sooner(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 def _aborting(handler: Callable) -> Callable:
@@ -96,11 +93,32 @@ class GatewayService:
 
     # -- plumbing --------------------------------------------------------------
 
+    async def _routing(self, data: bytes, field: int, parameters: int = 0) -> tuple[str, int | None]:
+        """The request's routing field (and its KServe `timeout` parameter
+        when `parameters` names the map), read off the wire: in a thread for
+        a large request, so the event loop never walks one; bounded by
+        max_request_fields."""
+        s = self.settings
+        try:
+            if len(data) > s.parse_in_thread_bytes:
+                return await asyncio.to_thread(wire.routing_fields, data, field, parameters, s.max_request_fields)
+            return wire.routing_fields(data, field, parameters, s.max_request_fields)
+        except wire.TooManyFields as exc:
+            raise CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+        except wire.WireError as exc:
+            raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse the request: {exc}") from None
+
+    async def _model(self, data: bytes, field: int) -> str:
+        return (await self._routing(data, field))[0]
+
     async def _call(self, node: Node, method: str, data: bytes, opts: CallOptions, model: str = "",
                     context=None, admitted: bool = True) -> bytes:
         """One unary call on `node`; `model` and `admitted` as NodeVisit takes them."""
         timeout = opts.timeout
-        with self.router.visit(node, "call", model=model, admitted=admitted, timeout=timeout):
+        # the client's own budget, its KServe `timeout` included: a node that
+        # answers DEADLINE_EXCEEDED once it is spent did nothing wrong
+        budget = _sooner(timeout, opts.kserve_timeout_s)
+        with self.router.visit(node, "call", model=model, admitted=admitted, timeout=budget):
             call = node.unary(method)(data, metadata=opts.metadata, timeout=timeout)
             reply = await call
             if context is not None:
@@ -213,8 +231,13 @@ class GatewayService:
             started = time.perf_counter()
             code = "OK"
             try:
-                model = _string_field(data, field) if field else ""
                 opts = CallOptions(context)
+                if field:
+                    model, kserve_timeout = await self._routing(data, field, parameters=4 if hedgeable else 0)
+                    if kserve_timeout:
+                        opts.kserve_timeout_s = kserve_timeout / 1e6
+                else:
+                    model = ""
                 hedge = hedgeable and not opts.update and (opts.urgent or model in self.settings.hedge_models)
                 if hedge:
                     self.router.hedge_budget.on_request()
@@ -253,8 +276,8 @@ class GatewayService:
         """Ready when any home of the model that can take calls has it ready:
         that is where its calls go (one home may still be loading it, or
         hold it not at all yet)."""
-        model = _string_field(data, 1)
         opts = CallOptions(context)
+        model = await self._model(data, 1)
         targets = [self.fleet.by_name[n] for n in self.fleet.ring.replicas(model, self.settings.replicas)
                    if self.fleet.by_name[n].routable]
         if not targets:
@@ -275,10 +298,10 @@ class GatewayService:
 
         @_aborting
         async def handler(data: bytes, context) -> bytes:
-            model = _string_field(data, 2)
+            opts = CallOptions(context)
+            model = await self._model(data, 2)
             if not model:
                 raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, "model_name is empty")
-            opts = CallOptions(context)
             # `usable`, not `routable`: a replica that is only late with its
             # Stats (busy, say loading another model) still gets its copy
             targets = [self.fleet.by_name[n] for n in self.fleet.ring.replicas(model, self.settings.replicas)
@@ -306,9 +329,25 @@ class GatewayService:
             first = await anext(aiter(requests), None)
             if first is None:
                 return
-            node, _ = self.router.place(_string_field(first, 1), update=opts.update)
+            node, _ = self.router.place(await self._model(first, 1), update=opts.update)
         except CallFailed as exc:
             await exc.abort(context)
+        tenant = tenants.current()
+        metered = tenant is not None and tenant.limited
+        if metered:
+            try:
+                tenant.start_stream()
+            except tenants.QuotaExceeded as exc:
+                node.breaker.release()  # placed, never sent: no verdict
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message)
+        try:
+            async for reply in self._stream_to(node, first, requests, opts, context):
+                yield reply
+        finally:
+            if metered:
+                tenant.end_stream()
+
+    async def _stream_to(self, node: Node, first: bytes, requests, opts: CallOptions, context):
         call = node.stream_stream(f"/{INFERENCE}/ModelStreamInfer")(metadata=opts.metadata, timeout=opts.timeout)
 
         async def pump() -> None:
@@ -335,12 +374,24 @@ class GatewayService:
         stream that failed before its first token is tried once more
         elsewhere; one that has sent tokens is never replayed."""
         method = f"/{GENERATION}/Generate"
+        tenant = tenants.current()
+        metered = tenant is not None and tenant.limited
+        streaming = False
         try:
             try:
-                request = generation_pb2.GenerateRequest.FromString(data)
+                if len(data) > self.settings.parse_in_thread_bytes:  # a long prompt: parsed off the event loop
+                    request = await asyncio.to_thread(generation_pb2.GenerateRequest.FromString, data)
+                else:
+                    request = generation_pb2.GenerateRequest.FromString(data)
             except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
                 raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse the request: {exc}") from None
             opts = CallOptions(context)
+            if metered:
+                try:
+                    tenant.start_stream()
+                except tenants.QuotaExceeded as exc:
+                    raise CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message) from None
+                streaming = True
             key = prompt_key(request)
             route = self.router.route(method, request.model, opts, key)
             while True:
@@ -348,6 +399,8 @@ class GatewayService:
                 call = node.unary_stream(method)(data, metadata=opts.metadata, timeout=opts.timeout)
                 try:
                     async for reply in self._relay(node, call, None, "Generate", context, seen):
+                        if metered:  # the tenant's generated tokens, charged as they stream
+                            tenant.charge_tokens(len(generation_pb2.GenerateResponse.FromString(reply).token_ids))
                         yield reply
                     break
                 except CallFailed as exc:
@@ -357,6 +410,9 @@ class GatewayService:
                 self.router.remember_prompt(node.name, _continued_key(request, key, text))
         except CallFailed as exc:
             await exc.abort(context)
+        finally:
+            if streaming:
+                tenant.end_stream()
 
     # -- the table -------------------------------------------------------------
 
