@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import http
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import httpx
@@ -53,7 +53,7 @@ class Endpoint:
 
     engine: str  # openai, vllm, sglang, tgi: for messages
     url: str  # http(s)://host:port, no trailing slash
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)  # never in a log line or a traceback's repr
     timeout_s: float = 600.0
 
     @property
