@@ -2,10 +2,10 @@
 
 `can_serve` refuses, with the reason, models IREE could never import
 (operator domains outside the standard ONNX set) and models a load has
-already failed to compile. `load` takes the compiled module from the cache
-next to the model (cache.py) or compiles it (compiler.py); a graph IREE
+already failed to compile. `load` takes the compiled module from the daemon's own
+cache (cache.py) or compiles it (compiler.py); a graph IREE
 rejects fails the load, so the engine counts a fallback and tries the next
-backend, and the refusal is kept beside the model for later loads. Modules
+backend, and the refusal is kept in the cache for later loads. Modules
 run on iree.runtime's `local-task` driver, one worker per core, shared by
 every model this backend holds.
 """
@@ -101,7 +101,7 @@ class IreeBackend(Backend):
             self._refuse(path, "IREE imports only standard ONNX operators; the graph uses "
                                + ", ".join(graph.foreign_ops))
         try:
-            entry = self.cache.entry(model_dir, list(graph.files), toolchain())
+            entry = self.cache.entry(list(graph.files), toolchain(), config.policy.iree_cache_dir)
         except (CompileFailed, OSError, subprocess.SubprocessError) as exc:
             raise LoadFailed(f"IREE's compiler or the model's files cannot be used here: {exc}") from None
         build = self._build(config, path, entry)
@@ -126,7 +126,6 @@ class IreeBackend(Backend):
             self._refuse(artifact, f"IREE cannot compile {config.artifact_path!r}: {exc}")
         except (CompileFailed, OSError) as exc:  # not remembered: a later load may succeed
             raise LoadFailed(f"compiling {config.artifact_path!r} with IREE failed: {exc}") from None
-        self.cache.remember(entry)
         return ModuleBuild(entry.module, False, time.perf_counter() - started)
 
     def _refuse(self, artifact: Path, reason: str) -> NoReturn:

@@ -1,27 +1,34 @@
-"""Compiled modules and refusals, kept next to the model they came from.
+"""Compiled modules and refusals, in a directory only the daemon writes.
 
-Layout: `<model folder>/.iree-cache/<key>.vmfb`, or `<key>.refused` holding
-the reason IREE could not compile it. The key is
+Layout: `<cache root>/<key>.vmfb`, or `<key>.refused` holding the reason
+IREE could not compile it. The key is
 `<sha256 of the graph and its external data>-<compiler version>-<target>`:
-editing the model, upgrading iree-base-compiler or moving the folder to a CPU
-with other features compiles afresh, while a restart or a reload finds the
-module at once. A folder the daemon cannot write (a read-only volume) keeps
-its cache under the system temp directory instead.
+editing the model, upgrading iree-base-compiler or moving to a CPU with other
+features compiles afresh, while a restart, a reload or the same bytes loaded
+inline again under another name find the module at once.
+
+The root is the setting iree_cache_dir, else `$XDG_CACHE_HOME/modeld/iree`
+(`~/.cache/modeld/iree`): created 0700 and used only while it is the
+daemon's own and no one else may write it. A module is native code the
+daemon runs, so one is never read from a model's folder (an uploaded
+`.iree-cache/` there is ignored) nor from a path other users share.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import tempfile
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from modeld.backends.iree.compiler import Toolchain
 
-CACHE_DIR = ".iree-cache"
 _CHUNK = 1 << 20
+
+
+class CacheDirUnsafe(OSError):
+    """The cache root is not a directory the daemon alone can write."""
 
 
 @dataclass(frozen=True)
@@ -31,21 +38,27 @@ class CacheEntry:
     refusal: Path  # the reason IREE refused these bytes, once it has
 
 
+def default_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "modeld" / "iree"
+
+
 class ModuleCache:
     """Finds, reuses and records compiled modules; one per backend."""
 
-    def __init__(self, fallback_root: Path | None = None) -> None:
-        self._fallback = fallback_root or Path(tempfile.gettempdir()) / "modeld-iree-cache"
+    def __init__(self, root: Path | None = None) -> None:
+        self._root = root  # None: the load's iree_cache_dir, else default_root()
         self._digests: dict[tuple, str] = {}
         self._refusals: dict[str, str] = {}
-        # key -> a module compiled for it in some folder: the same bytes
-        # loaded inline again land in a fresh folder and need not recompile
-        self._compiled: dict[str, Path] = {}
 
-    def entry(self, model_dir: Path, files: list[Path], chain: Toolchain) -> CacheEntry:
+    def root(self, configured: str = "") -> Path:
+        """The directory modules live in, made private (0700) and checked."""
+        return private_dir(self._root or (Path(configured) if configured else default_root()))
+
+    def entry(self, files: list[Path], chain: Toolchain, configured_root: str = "") -> CacheEntry:
         """files: the graph first, then its external data files, if any."""
         key = f"{self.digest(files)}-{chain.version}-{chain.target}"
-        folder = _writable(model_dir / CACHE_DIR) or self._fallback
+        folder = self.root(configured_root)
         return CacheEntry(key, folder / f"{key}.vmfb", folder / f"{key}.refused")
 
     def digest(self, files: list[Path]) -> str:
@@ -70,32 +83,27 @@ class ModuleCache:
         _write_atomic(entry.refusal, reason.encode())
 
     def find(self, entry: CacheEntry) -> bool:
-        """Whether the module is there, copying one compiled elsewhere if need be."""
-        if entry.module.is_file():
-            return True
-        earlier = self._compiled.get(entry.key)
-        if earlier is None or not earlier.is_file():
-            return False
-        entry.module.parent.mkdir(parents=True, exist_ok=True)
-        partial = entry.module.with_name(entry.module.name + ".partial")
-        shutil.copyfile(earlier, partial)
-        os.replace(partial, entry.module)
-        return True
-
-    def remember(self, entry: CacheEntry) -> None:
-        self._compiled[entry.key] = entry.module
+        """Whether the module for these bytes was compiled already."""
+        return entry.module.is_file()
 
 
-def _writable(folder: Path) -> Path | None:
-    try:
-        folder.mkdir(exist_ok=True)
-    except OSError:
-        return None
-    return folder if os.access(folder, os.W_OK) else None
+def private_dir(folder: Path) -> Path:
+    """`folder`, created 0700 if missing; raises CacheDirUnsafe unless it is
+    a real directory (no symlink) that this user owns and no one else may
+    write (a looser one of ours is tightened)."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = folder.lstat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise CacheDirUnsafe(f"the IREE cache {folder.name!r} is not a directory (a symbolic link?)")
+    if info.st_uid != os.getuid():
+        raise CacheDirUnsafe(f"the IREE cache {folder.name!r} belongs to another user; set iree_cache_dir "
+                             "to a directory of the daemon's own")
+    if info.st_mode & 0o077:
+        os.chmod(folder, 0o700)
+    return folder
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     partial.write_bytes(data)
     os.replace(partial, path)

@@ -1,9 +1,10 @@
 """The iree backend through a real daemon: minilm compiled by IREE against
 onnxruntime, a graph IREE refuses served by onnxruntime with the fallback
-counted once, and the compiled module cached next to the model.
+counted once, and the compiled module cached in the daemon's own cache
+directory (iree_cache_dir), never in the model's folder.
 
 One daemon for the module, on a repository in a temp folder whose models
-name `backends = ["iree", "onnx"]`, so the compile cache lands there too;
+name `backends = ["iree", "onnx"]`, its cache in another temp folder;
 minilm compiles once (15-60 s on a shared 2-core machine).
 """
 
@@ -78,8 +79,13 @@ def repo(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def iree_daemon(repo):
-    daemon = start_daemon(repository=repo, timeout=900)
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("iree_cache") / "modules"
+
+
+@pytest.fixture(scope="module")
+def iree_daemon(repo, cache):
+    daemon = start_daemon(repository=repo, env={"MODELD_IREE_CACHE_DIR": str(cache)}, timeout=900)
     yield daemon
     assert daemon.stop() == 0
 
@@ -141,10 +147,14 @@ def test_minilm_on_iree_matches_onnxruntime(client):
     assert _cosines(np.stack(singles), expected).min() >= 0.999
 
 
-def test_the_compiled_module_is_cached_next_to_the_model(client, iree_daemon, repo):
-    modules = list((repo / "minilm" / ".iree-cache").glob("*.vmfb"))
-    assert len(modules) == 1 and modules[0].stat().st_size > 50_000_000  # the weights travel in the module
-    compiled = modules[0].stat().st_mtime_ns
+def test_the_compiled_module_is_cached_in_the_daemons_own_folder(client, iree_daemon, repo, cache):
+    assert cache.stat().st_mode & 0o777 == 0o700
+    assert not (repo / "minilm" / ".iree-cache").exists()
+    first = [e for e in iree_daemon.events("iree_module_loaded") if e["model"] == "minilm"]
+    module = Path(first[0]["module"])
+    assert module.parent == cache and module.stat().st_size > 50_000_000  # the weights travel in the module
+    modules = sorted(cache.glob("*.vmfb"))
+    compiled = module.stat().st_mtime_ns
     client.unload_model("minilm")
     client.load_model("minilm")
     loads = [e for e in iree_daemon.events("iree_module_loaded") if e["model"] == "minilm"]
@@ -152,18 +162,18 @@ def test_the_compiled_module_is_cached_next_to_the_model(client, iree_daemon, re
     assert loads[0]["compile_s"] > 1 and loads[1]["compile_s"] == 0
     # a reload must not compile again: the module on disk is the one the first load wrote
     # (not a reload faster than the compile, which a busy machine can stretch)
-    assert list((repo / "minilm" / ".iree-cache").glob("*.vmfb")) == modules
-    assert modules[0].stat().st_mtime_ns == compiled, "a reload must not compile again"
+    assert sorted(cache.glob("*.vmfb")) == modules and Path(loads[1]["module"]) == module
+    assert module.stat().st_mtime_ns == compiled, "a reload must not compile again"
     assert client.get_model_metadata("minilm").platform == "modeld_iree"
 
 
-def test_a_graph_iree_refuses_falls_back_to_onnxruntime_once(client, iree_daemon, repo):
+def test_a_graph_iree_refuses_falls_back_to_onnxruntime_once(client, iree_daemon, repo, cache):
     x = np.array([3.0, 1.0, 3.0, 2.0], dtype=np.float32)
     assert client.get_model_metadata("unique_demo").platform == "modeld_onnx"
     np.testing.assert_array_equal(client.infer("unique_demo", [_fp32("x", x)]).as_numpy("y"), [1.0, 2.0, 3.0])
     counted = 'modeld_backend_fallbacks_total{from_backend="iree",model="unique_demo",stage="load"} 1.0'
     assert counted in _metrics(iree_daemon)
-    refusals = list((repo / "unique_demo" / ".iree-cache").glob("*.refused"))
+    refusals = list(cache.glob("*.refused"))
     assert len(refusals) == 1 and "operator Unique is not supported" in refusals[0].read_text()
     # the refusal is remembered: a reload goes straight to onnx, without
     # compiling again and without counting another fallback

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 import onnx_fixtures
 from modeld.backends.iree import backend as iree_backend
 from modeld.backends.iree.backend import IreeBackend
-from modeld.backends.iree.cache import CACHE_DIR, ModuleCache
+from modeld.backends.iree.cache import ModuleCache
 from modeld.backends.iree.compiler import Toolchain, _reason
 from modeld.backends.iree.graph import read_graph
 from modeld.backends.errors import LoadFailed
@@ -64,7 +64,7 @@ def test_can_serve_refuses_foreign_operators_without_compiling(tmp_path, no_comp
     folder = _model(tmp_path, onnx_fixtures.softcap())
     verdict = IreeBackend(ModuleCache(tmp_path / "fallback")).can_serve(ModelConfig("softcap"), folder)
     assert not verdict.ok and "domain ai.modeld" in verdict.reason and "standard ONNX operators" in verdict.reason
-    assert not (folder / CACHE_DIR).exists() or not any((folder / CACHE_DIR).iterdir())
+    assert not (tmp_path / "fallback").exists() or not any((tmp_path / "fallback").iterdir())
 
 
 def test_can_serve_says_why_for_a_file_that_is_no_graph(tmp_path, no_compiler):
@@ -77,28 +77,28 @@ def test_the_key_follows_the_bytes_the_compiler_and_the_target(tmp_path):
     cache = ModuleCache(tmp_path / "fallback")
     folder = _model(tmp_path / "m", onnx_fixtures.double_int64())
     files = [folder / "model.onnx"]
-    key = cache.entry(folder, files, CHAIN).key
+    key = cache.entry(files, CHAIN).key
     assert key.endswith("-3.13.0-abcdef12-llvm-cpu-0123456789ab")
-    assert cache.entry(folder, files, CHAIN).module == folder / CACHE_DIR / f"{key}.vmfb"
+    assert cache.entry(files, CHAIN).module == tmp_path / "fallback" / f"{key}.vmfb"
     newer = Toolchain(CHAIN.compiler, "3.14.0-00000000", CHAIN.target)
     other_cpu = Toolchain(CHAIN.compiler, CHAIN.version, "llvm-cpu-ffffffffffff")
-    assert len({key, cache.entry(folder, files, newer).key, cache.entry(folder, files, other_cpu).key}) == 3
+    assert len({key, cache.entry(files, newer).key, cache.entry(files, other_cpu).key}) == 3
     (folder / "model.onnx").write_bytes(onnx_fixtures.add_fp32())
-    assert cache.entry(folder, files, CHAIN).key != key
+    assert cache.entry(files, CHAIN).key != key
 
 
 def test_a_refusal_outlives_the_process_and_then_answers_can_serve(tmp_path, no_compiler, monkeypatch):
     folder = _model(tmp_path, onnx_fixtures.double_int64())
     config = ModelConfig("double")
     first = IreeBackend(ModuleCache(tmp_path / "fallback"))
-    first.cache.refuse(first.cache.entry(folder, [folder / "model.onnx"], CHAIN), "operator Foo is not supported")
+    first.cache.refuse(first.cache.entry([folder / "model.onnx"], CHAIN), "operator Foo is not supported")
 
     def compile_onnx(*args):
         raise AssertionError("a refused graph must not be compiled again")
 
     monkeypatch.setattr(iree_backend, "compile_onnx", compile_onnx)
     # a new backend (a restarted daemon): can_serve does not hash the file,
-    # so the load finds the refusal beside the model and fails at once
+    # so the load finds the refusal in the cache and fails at once
     second = IreeBackend(ModuleCache(tmp_path / "fallback"))
     assert second.can_serve(config, folder).ok
     with pytest.raises(LoadFailed, match="operator Foo is not supported"):
@@ -117,25 +117,14 @@ def test_declared_domains_are_read_without_parsing_the_graph(tmp_path):
         declared_domains(truncated)
 
 
-def test_a_module_compiled_for_the_same_bytes_elsewhere_is_copied(tmp_path):
+def test_the_same_bytes_under_another_name_find_the_module(tmp_path):
     cache = ModuleCache(tmp_path / "fallback")
     one, two = (_model(tmp_path / n, onnx_fixtures.double_int64()) for n in ("one", "two"))
-    first = cache.entry(one, [one / "model.onnx"], CHAIN)
+    first = cache.entry([one / "model.onnx"], CHAIN)
     assert not cache.find(first)
     first.module.write_bytes(b"compiled")
-    cache.remember(first)
-    second = cache.entry(two, [two / "model.onnx"], CHAIN)
-    assert second.key == first.key and second.module != first.module
-    assert cache.find(second) and second.module.read_bytes() == b"compiled"
-
-
-def test_an_unwritable_folder_keeps_its_cache_in_the_fallback(tmp_path, monkeypatch):
-    from modeld.backends.iree import cache as cache_module
-
-    monkeypatch.setattr(cache_module, "_writable", lambda folder: None)
-    folder = _model(tmp_path / "ro", onnx_fixtures.double_int64())
-    entry = ModuleCache(tmp_path / "fallback").entry(folder, [folder / "model.onnx"], CHAIN)
-    assert entry.module.parent == tmp_path / "fallback"
+    second = cache.entry([two / "model.onnx"], CHAIN)
+    assert second == first and cache.find(second)
 
 
 @pytest.mark.parametrize("stderr, reason", [
