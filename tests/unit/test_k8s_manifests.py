@@ -270,31 +270,86 @@ def test_container_ports_match_args_and_cli_defaults(resources, kind):
                                                         f"default {defaults[name]}"
 
 
-def probe_port(probe) -> int:
-    assert probe.httpGet is None and probe.exec is None
-    assert (probe.grpc is None) != (probe.tcpSocket is None)
+def port_number(c, port) -> int:
+    """A probe's or policy's port, by number or by the container port's name."""
+    return container_ports(c)[port] if isinstance(port, str) else int(port)
+
+
+def health_command_port(command: list[str]) -> int:
+    """The port an exec probe's `modeld health` asks; it must parse."""
+    assert command[0] == "modeld", command
+    parsed = build_parser().parse_args(command[1:])
+    assert parsed.command == "health" and parsed.service == "", command  # "" is the whole server
+    host, port = parsed.address.rsplit(":", 1)
+    assert host in ("localhost", "127.0.0.1"), command
+    return int(port)
+
+
+def probe_port(c, probe) -> int:
+    """The port a probe checks; exactly one way of checking per probe."""
+    ways = [w for w in (probe.grpc, probe.tcpSocket, probe.httpGet, probe.exec) if w is not None]
+    assert len(ways) == 1
     if probe.grpc is not None:
         assert probe.grpc.service in (None, "")  # "" is the whole server
         return probe.grpc.port
-    return probe.tcpSocket.port
+    if probe.tcpSocket is not None:
+        return port_number(c, probe.tcpSocket.port)
+    if probe.httpGet is not None:
+        return port_number(c, probe.httpGet.port)
+    return health_command_port(probe.exec.command)
 
 
-def test_probes_check_the_grpc_port(resources):
+def serves_tls(c) -> bool:
+    return build_parser().parse_args(c.args).tls_cert is not None
+
+
+def test_probes_check_a_serving_port(resources):
     for workload in workloads(resources):
         c = container(workload)
+        serving = {port for name, port in container_ports(c).items() if name != "metrics"}
         for probe in (c.startupProbe, c.readinessProbe, c.livenessProbe):
             assert probe is not None, workload.metadata.name
-            assert probe_port(probe) == container_ports(c)["grpc"], workload.metadata.name
+            assert probe_port(c, probe) in serving, workload.metadata.name
 
 
-def test_readiness_is_the_grpc_health_service(resources):
+def test_probes_speak_tls_where_the_ports_do(resources):
+    """The kubelet's gRPC probe has no TLS: against a TLS port it fails
+    forever. Its HTTPS probe (which checks no certificate) and the CLI do."""
     for workload in workloads(resources):
-        assert container(workload).readinessProbe.grpc is not None, workload.metadata.name
+        c = container(workload)
+        if not serves_tls(c):
+            continue
+        for probe in (c.startupProbe, c.readinessProbe, c.livenessProbe):
+            assert probe.grpc is None, workload.metadata.name
+            if probe.httpGet is not None:
+                assert probe.httpGet.scheme == "HTTPS", workload.metadata.name
+            if probe.exec is not None:
+                parsed = build_parser().parse_args(probe.exec.command[1:])
+                assert parsed.tls_ca is not None and str(parsed.tls_ca) in mounted_secret_files(workload), \
+                    f"{workload.metadata.name}: the probe's CA is no file of a mounted Secret"
 
 
-def test_daemon_probes_are_all_grpc_health_checks(statefulset):
+def test_readiness_is_a_health_check(resources):
+    from modeld.server.auth import http_role
+
+    for workload in workloads(resources):
+        probe = container(workload).readinessProbe
+        if probe.httpGet is not None:
+            assert probe.httpGet.path == "/v2/health/ready", workload.metadata.name
+            assert http_role(probe.httpGet.path) is None  # open: the kubelet sends no token
+        else:
+            assert probe.grpc is not None or probe.exec is not None, workload.metadata.name
+
+
+def test_daemon_probes_are_all_health_checks(statefulset):
+    from modeld.server.auth import http_role
+
     c = container(statefulset)
-    assert all(p.grpc is not None for p in (c.startupProbe, c.readinessProbe, c.livenessProbe))
+    for probe in (c.startupProbe, c.readinessProbe, c.livenessProbe):
+        assert probe.grpc is not None or probe.httpGet.path in ("/v2/health/live", "/v2/health/ready")
+        if probe.httpGet is not None:
+            assert port_number(c, probe.httpGet.port) == container_ports(c)["http"]
+            assert http_role(probe.httpGet.path) is None
 
 
 def test_gateway_liveness_does_not_depend_on_the_fleet(deployment):
@@ -302,7 +357,7 @@ def test_gateway_liveness_does_not_depend_on_the_fleet(deployment):
     checked by start-up or liveness, a fleet still loading would restart
     every gateway."""
     c = container(deployment)
-    assert c.startupProbe.grpc is None and c.livenessProbe.grpc is None
+    assert c.startupProbe.tcpSocket is not None and c.livenessProbe.tcpSocket is not None
 
 
 def test_metrics_annotations_name_the_metrics_port(resources):
@@ -437,3 +492,142 @@ def test_image_user_is_the_workloads_non_root_user(resources):
 def test_workloads_run_this_version_of_the_image(resources):
     version = pyproject()["project"]["version"]
     assert {container(w).image for w in workloads(resources)} == {f"modeld:{version}"}
+
+
+# -- locked from the start: TLS, tokens, a NetworkPolicy -------------------------------
+
+def mounted_secret_files(workload) -> dict[str, tuple[str, str]]:
+    """Every file a Secret volume puts in the container: path -> (Secret, key).
+    A volume without `items` would mount every key, the node's key in the
+    gateway included: each one lists what it mounts."""
+    spec = workload.spec.template.spec
+    secrets = {v.name: v.secret for v in spec.volumes or [] if v.secret is not None}
+    files = {}
+    for mount in container(workload).volumeMounts or []:
+        secret = secrets.get(mount.name)
+        if secret is None:
+            continue
+        assert mount.readOnly and not mount.subPath, f"{workload.metadata.name}: {mount.name} must be read-only, " \
+                                                     "without subPath (which the kubelet never refreshes)"
+        assert secret.items, f"{workload.metadata.name}: Secret volume {mount.name} lists no items"
+        assert secret.defaultMode is not None and secret.defaultMode & 0o007 == 0, \
+            f"{workload.metadata.name}: {mount.name} is readable by others"
+        for item in secret.items:
+            files[f"{mount.mountPath.rstrip('/')}/{item.path}"] = (secret.secretName, item.key)
+    return files
+
+
+def test_no_secret_is_shipped(resources):
+    """A token or key in the manifests would be everyone's: the operator (or
+    cert-manager) makes them."""
+    assert not of_kind(resources, "Secret")
+
+
+def test_pods_can_read_their_secret_files(resources):
+    for workload in workloads(resources):
+        context = workload.spec.template.spec.securityContext
+        assert context.fsGroup == context.runAsGroup, workload.metadata.name  # the 0440 files' group
+
+
+def test_daemons_serve_tls_and_tokens_from_mounted_secrets(statefulset):
+    from modeld.server.config import _validate_exposure
+
+    c = container(statefulset)
+    parsed = build_parser().parse_args(c.args)
+    files = mounted_secret_files(statefulset)
+    assert not parsed.insecure
+    assert parsed.tls_client_ca is None  # the kubelet's HTTPS probe has no client certificate
+    for value, key in ((parsed.tls_cert, "tls.crt"), (parsed.tls_key, "tls.key"), (parsed.auth_token_file, "tokens")):
+        assert value is not None and value in files, f"{value} is no file of a mounted Secret"
+        assert files[value][1] == key
+    secret_of = {files[parsed.tls_cert][0], files[parsed.tls_key][0]}
+    assert len(secret_of) == 1  # the certificate and its key from one kubernetes.io/tls Secret
+    # what `modeld serve` checks of these arguments before it binds a port
+    _validate_exposure(Settings(host=parsed.host, auth_token_file=Path(parsed.auth_token_file)))
+
+
+def test_gateway_serves_tls_and_tokens_and_checks_the_daemons(deployment, statefulset, resources):
+    parsed = build_parser().parse_args(container(deployment).args)
+    files = mounted_secret_files(deployment)
+    node_files = mounted_secret_files(statefulset)
+    for value in (parsed.tls_cert, parsed.tls_key, parsed.auth_token_file, parsed.node_tls_ca,
+                  parsed.node_token_file):
+        assert value is not None and value in files, f"{value} is no file of a mounted Secret"
+    node_cert_secret = node_files[build_parser().parse_args(container(statefulset).args).tls_cert][0]
+    # the daemons' CA comes from their Secret, and nothing else of it (their key stays theirs)
+    assert files[parsed.node_tls_ca] == (node_cert_secret, "ca.crt")
+    assert {key for secret, key in files.values() if secret == node_cert_secret} == {"ca.crt"}
+    # clients' tokens are the daemons' (a forwarded call keeps its token and is checked again)
+    daemon_tokens = node_files[build_parser().parse_args(container(statefulset).args).auth_token_file]
+    assert files[parsed.auth_token_file] == daemon_tokens
+    # daemons are dialled by pod IP: their certificate is checked for the Service's name
+    assert parsed.node_tls_server_name == statefulset.spec.serviceName
+
+
+def _policies_for(resources, workload) -> list:
+    return [p for p in of_kind(resources, "NetworkPolicy") if selects(p.spec.podSelector, pod_labels(workload))]
+
+
+def _peers_by_port(policy, c) -> dict[int, list]:
+    """port -> the peers admitted to it; [None] for a rule open to every source."""
+    ports: dict[int, list] = {}
+    for rule in policy.spec.ingress or []:
+        assert rule.ports, f"{policy.metadata.name}: a rule without ports opens every port"
+        for port in rule.ports:
+            assert (port.protocol or "TCP") == "TCP" and port.endPort is None
+            ports.setdefault(port_number(c, port.port), []).extend(rule.from_ or [None])
+    return ports
+
+
+def _is_scraper(peer) -> bool:
+    """Pods labelled as scrapers in namespaces labelled as such: both
+    selectors in one peer (one alone would admit a whole namespace, or
+    every such pod anywhere)."""
+    return (peer is not None and peer.ipBlock is None
+            and peer.namespaceSelector is not None and bool(peer.namespaceSelector.matchLabels)
+            and peer.podSelector is not None and bool(peer.podSelector.matchLabels))
+
+
+def test_every_workload_has_one_ingress_policy(resources):
+    for workload in workloads(resources):
+        (policy,) = _policies_for(resources, workload)
+        assert "Ingress" in policy.spec.policyTypes, workload.metadata.name
+
+
+def test_only_the_gateway_reaches_the_daemons_serving_ports(resources, statefulset, deployment):
+    c = container(statefulset)
+    (policy,) = _policies_for(resources, statefulset)
+    peers = _peers_by_port(policy, c)
+    ports = container_ports(c)
+    assert set(peers) == set(ports.values())  # each port admits someone (or the port is useless)
+    for name in ("grpc", "http"):
+        for peer in peers[ports[name]]:
+            # the pod selector alone: pods of this namespace, the gateway's only
+            assert peer is not None and peer.ipBlock is None and peer.namespaceSelector is None, name
+            assert selects(peer.podSelector, pod_labels(deployment)), name
+            assert not selects(peer.podSelector, pod_labels(statefulset)), name
+
+
+def test_only_scrapers_reach_the_metrics_ports(resources):
+    for workload in workloads(resources):
+        c = container(workload)
+        (policy,) = _policies_for(resources, workload)
+        peers = _peers_by_port(policy, c)[container_ports(c)["metrics"]]
+        assert peers and all(_is_scraper(p) for p in peers), workload.metadata.name
+
+
+def test_gateway_client_port_is_open_and_guarded(resources, deployment):
+    c = container(deployment)
+    (policy,) = _policies_for(resources, deployment)
+    assert None in _peers_by_port(policy, c)[container_ports(c)["grpc"]]  # clients may be anywhere
+    parsed = build_parser().parse_args(c.args)
+    assert parsed.tls_cert and parsed.auth_token_file  # so TLS and tokens are what keeps them out
+
+
+def test_image_default_command_starts_locked():
+    """`docker run modeld` without the Secrets' files refuses to start,
+    rather than serving openly on every interface."""
+    (cmd,) = instruction_values("CMD")
+    parsed = build_parser().parse_args(json.loads(cmd))
+    assert parsed.host == "0.0.0.0" and not parsed.insecure
+    assert parsed.tls_cert and parsed.tls_key and parsed.auth_token_file
