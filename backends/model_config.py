@@ -260,9 +260,11 @@ def config_from_dict(name: str, raw: dict[str, Any]) -> ModelConfig:
 
 def _source(reader: _Reader) -> str:
     source = reader.str("source", "")
-    if source and source.partition("://")[0] not in STORE_SCHEMES:
-        raise InvalidArgument(f"model {reader.model!r}: config key source must be a URI with scheme "
-                              + ", ".join(f"{s}://" for s in STORE_SCHEMES) + f"; got {source[:120]!r}")
+    scheme, sep, _ = source.partition("://")
+    if source and (not sep or scheme not in STORE_SCHEMES):
+        raise InvalidArgument(f"model {reader.model!r}: config key source {source[:120]!r} names "
+                              + (f"scheme {scheme[:20]!r}, which modeld does not know" if sep else "no scheme")
+                              + "; use " + ", ".join(f"{s}://" for s in STORE_SCHEMES))
     return source
 
 
