@@ -1,0 +1,217 @@
+"""Real stores on loopback for the model store's tests.
+
+- OCI: Debian's docker-registry (the CNCF distribution registry), started
+  with a temporary storage folder, optionally behind htpasswd (Basic) auth;
+- S3: moto in its standalone server mode, speaking the S3 REST protocol
+  (no S3 server from the package registries runs here as a service);
+- Hugging Face: a small HTTP server answering the hub's api/models and
+  resolve routes for a folder, which huggingface_hub reaches through
+  HF_ENDPOINT.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+
+REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Registry:
+    proc: subprocess.Popen
+    host: str  # 127.0.0.1:<port>
+    storage: Path
+
+    def uri(self, repo: str, tag: str) -> str:
+        return f"oci://{self.host}/{repo}:{tag}"
+
+    def blob_file(self, digest: str) -> Path:
+        hexd = digest.removeprefix("sha256:")
+        return self.storage / "docker" / "registry" / "v2" / "blobs" / "sha256" / hexd[:2] / hexd / "data"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def start_registry(root: Path, htpasswd: tuple[str, str] | None = None) -> Registry:
+    """docker-registry serving plain HTTP on a free loopback port."""
+    if not Path(REGISTRY_BIN).exists():
+        raise RuntimeError("docker-registry is not installed: `make registry` (apt-get install docker-registry)")
+    port = free_port()
+    storage = root / "storage"
+    storage.mkdir(parents=True, exist_ok=True)
+    auth = ""
+    if htpasswd is not None:
+        user, password = htpasswd
+        hashed = subprocess.run(["htpasswd", "-nbB", user, password], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        (root / "htpasswd").write_text(hashed + "\n")
+        auth = f"auth:\n  htpasswd:\n    realm: modeld-test\n    path: {root / 'htpasswd'}\n"
+    config = root / "config.yml"
+    config.write_text(
+        "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\n"
+        f"storage:\n  filesystem:\n    rootdirectory: {storage}\n  delete:\n    enabled: true\n"
+        f"  cache:\n    blobdescriptor: \"\"\n"
+        f"http:\n  addr: 127.0.0.1:{port}\n{auth}")
+    proc = subprocess.Popen([REGISTRY_BIN, "serve", str(config)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    registry = Registry(proc, f"127.0.0.1:{port}", storage)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"http://{registry.host}/v2/", timeout=1).status_code in (200, 401):
+                return registry
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            registry.stop()
+            raise RuntimeError("docker-registry did not start")
+        time.sleep(0.05)
+
+
+# -- S3: moto's standalone server ------------------------------------------------------
+
+
+@dataclass
+class S3:
+    server: object
+    endpoint: str
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                            aws_access_key_id="testing", aws_secret_access_key="testing")
+
+    def upload(self, bucket: str, prefix: str, folder: Path) -> None:
+        client = self.client()
+        client.create_bucket(Bucket=bucket)
+        for path in sorted(folder.rglob("*")):
+            if path.is_file():
+                client.upload_file(str(path), bucket, prefix + path.relative_to(folder).as_posix())
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def start_s3() -> S3:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    return S3(server, f"http://{host}:{port}")
+
+
+# -- Hugging Face: the hub's routes for a folder of repositories ---------------------
+
+
+class HubServer:
+    """Serves <root>/<org>/<name>/ as a hub model repository at one fixed commit."""
+
+    COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.downloads: list[str] = []
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                self._serve(body=False)
+
+            def do_GET(self) -> None:
+                self._serve(body=True)
+
+            def _serve(self, body: bool) -> None:
+                path = self.path.split("?", 1)[0]
+                parts = [p for p in path.split("/") if p]
+                if parts[:2] == ["api", "models"]:
+                    return self._info(parts[2:])
+                if len(parts) >= 5 and parts[2] == "resolve":
+                    return self._file(parts[0], parts[1], "/".join(parts[4:]), body)
+                self._send(404, b'{"error": "not found"}')
+
+            def _send(self, code: int, data: bytes, headers: dict | None = None, body: bool = True) -> None:
+                self.send_response(code)
+                for k, v in (headers or {"Content-Type": "application/json"}).items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if body:
+                    self.wfile.write(data)
+
+            def _info(self, rest: list[str]) -> None:
+                # /api/models/<org>/<name>[/revision/<rev>]
+                repo = hub.root / rest[0] / rest[1] if len(rest) >= 2 else None
+                if repo is None or not repo.is_dir():
+                    return self._send(404, b'{"error": "Repository not found"}',
+                                      {"Content-Type": "application/json", "X-Error-Code": "RepoNotFound"})
+                siblings = []
+                for f in sorted(p for p in repo.rglob("*") if p.is_file()):
+                    data = f.read_bytes()
+                    sibling = {"rfilename": f.relative_to(repo).as_posix(), "size": len(data),
+                               "blobId": hashlib.sha1(data).hexdigest()}
+                    if f.suffix in (".onnx", ".gguf", ".safetensors"):
+                        sibling["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
+                                          "pointerSize": 134}
+                    siblings.append(sibling)
+                info = {"_id": "x", "id": f"{rest[0]}/{rest[1]}", "modelId": f"{rest[0]}/{rest[1]}",
+                        "sha": HubServer.COMMIT, "private": False, "siblings": siblings, "tags": []}
+                self._send(200, json.dumps(info).encode())
+
+            def _file(self, org: str, name: str, rel: str, body: bool) -> None:
+                f = hub.root / org / name / rel
+                if ".." in rel or not f.is_file():
+                    return self._send(404, b"", {"X-Error-Code": "EntryNotFound"}, body)
+                data = f.read_bytes()
+                headers = {"Content-Type": "application/octet-stream", "X-Repo-Commit": HubServer.COMMIT,
+                           "ETag": f'"{hashlib.sha256(data).hexdigest()}"', "Accept-Ranges": "bytes"}
+                code, start = 200, 0
+                wanted = self.headers.get("Range", "")
+                if wanted.startswith("bytes="):
+                    start = int(wanted[6:].split("-")[0] or 0)
+                    code = 206
+                    headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+                if body:
+                    hub.downloads.append(rel)
+                self._send(code, data[start:], headers, body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
