@@ -135,9 +135,12 @@ class HubServer:
 
     COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, drop_after: int = 0) -> None:
         self.root = root
-        self.downloads: list[str] = []
+        self.downloads: list[str] = []  # "<file> <Range header>" per GET
+        # the first GET of each file closes its connection after this many bytes (0: never)
+        self.drop_after = drop_after
+        self._dropped: set[str] = set()
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -201,7 +204,19 @@ class HubServer:
                     code = 206
                     headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
                 if body:
-                    hub.downloads.append(rel)
+                    hub.downloads.append(f"{rel} {wanted}".strip())
+                if body and hub.drop_after and rel not in hub._dropped and len(data) > hub.drop_after:
+                    hub._dropped.add(rel)
+                    self.send_response(code)
+                    for k, v in headers.items():
+                        self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(data) - start))
+                    self.end_headers()
+                    self.wfile.write(data[start:start + hub.drop_after])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 self._send(code, data[start:], headers, body)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -11,6 +11,7 @@ else one GGUF (Q4_K_M where the repository has several).
 from __future__ import annotations
 
 import fnmatch
+from urllib.parse import quote
 from typing import Iterator
 
 import httpx
@@ -47,7 +48,7 @@ def select_files(names: list[str], include: str = "") -> list[str]:
 
 class HfSource:
     def listing(self, uri: SourceURI) -> Listing:
-        from huggingface_hub import HfApi, constants, hf_hub_url
+        from huggingface_hub import HfApi, constants
         from huggingface_hub.errors import (
             GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError,
         )
@@ -87,7 +88,8 @@ class HfSource:
             lfs = sibling.lfs
             digest = f"sha256:{lfs.sha256}" if lfs is not None and getattr(lfs, "sha256", None) else None
             size = sibling.size if sibling.size is not None else (lfs.size if lfs is not None else None)
-            url = hf_hub_url(uri.path, name, revision=commit, endpoint=constants.ENDPOINT)
+            # the hub's resolve route (what hf_hub_url builds, from the endpoint read now, not at import)
+            url = f"{constants.ENDPOINT.rstrip('/')}/{uri.path}/resolve/{quote(commit, safe='')}/{quote(name)}"
             files.append(RemoteFile(safe_path(name, uri.text), size, digest, _fetch(url, headers, uri),
                                     f"file {name}"))
         return Listing(uri.text, f"hf:{uri.path}@{commit}:{','.join(chosen)}", tuple(files))
@@ -117,7 +119,7 @@ def _fetch(url: str, headers: dict, uri: SourceURI):
 
         def chunks() -> Iterator[bytes]:
             try:
-                yield from response.iter_bytes(1024 * 1024)
+                yield from response.iter_bytes()
             except (httpx.TransportError, httpx.StreamError) as exc:
                 raise TransferBroken(type(exc).__name__) from None
             finally:

@@ -280,7 +280,7 @@ def _error_text(response: httpx.Response) -> str:
 
 def _chunks(response: httpx.Response) -> Iterator[bytes]:
     try:
-        yield from response.iter_bytes(1024 * 1024)
+        yield from response.iter_bytes()  # as it arrives: a drop loses nothing already received
     except (httpx.TransportError, httpx.StreamError) as exc:
         raise TransferBroken(type(exc).__name__) from None
     finally:

@@ -106,7 +106,7 @@ def _chunks(body) -> Iterator[bytes]:
     from botocore.exceptions import BotoCoreError
 
     try:
-        yield from body.iter_chunks(1024 * 1024)
+        yield from body.iter_chunks(64 * 1024)  # small reads: a drop loses less
     except (BotoCoreError, OSError) as exc:
         raise TransferBroken(type(exc).__name__) from None
     finally:
