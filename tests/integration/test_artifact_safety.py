@@ -98,9 +98,14 @@ def repo(tmp_path_factory, outside) -> Path:
 
 
 @pytest.fixture(scope="module")
-def daemon(repo):
+def iree_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("iree") / "cache"
+
+
+@pytest.fixture(scope="module")
+def daemon(repo, iree_cache):
     env = {"MODELD_REMOTE_API_KEY_ENVS": "MODELD_TEST_ALLOWED_KEY", "MODELD_TEST_ALLOWED_KEY": "allowed-key",
-           "MODELD_TEST_SECRET": "s3cret-value"}
+           "MODELD_TEST_SECRET": "s3cret-value", "MODELD_IREE_CACHE_DIR": str(iree_cache)}
     daemon = start_daemon("--no-preload", repository=repo, env=env)
     yield daemon
     assert daemon.stop() == 0
@@ -158,7 +163,7 @@ def test_a_genai_config_naming_a_custom_op_library_is_refused_before_onnxruntime
     assert "onnx_genai_allowed_keys" in message and "ELF" not in message
 
 
-def test_an_uploaded_iree_cache_is_ignored(client, daemon, tmp_path):
+def test_an_uploaded_iree_cache_is_ignored(client, daemon, tmp_path, iree_cache):
     pytest.importorskip("iree.runtime")
     from modeld.backends.iree.cache import ModuleCache
     from modeld.backends.iree.compiler import compiler_path, toolchain
@@ -178,7 +183,7 @@ def test_an_uploaded_iree_cache_is_ignored(client, daemon, tmp_path):
     result = client.infer("planted", [_int64("x", np.array([[1, 2, 3]], dtype=np.int64))]).as_numpy("y")
     np.testing.assert_array_equal(result, [[2, 4, 6]])
     loads = [e for e in daemon.events("iree_module_loaded") if e["model"] == "planted"]
-    assert len(loads) == 1 and not loads[0]["cached"] and ".iree-cache" not in loads[0]["module"]
+    assert len(loads) == 1 and not loads[0]["cached"] and Path(loads[0]["module"]).parent == iree_cache
     client.unload_model("planted")
 
 
