@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _modeld_pool.POOL.AddSerializedFile(b'\n\nnode.proto\x12\tmodeld.v1\"\x12\n\x10NodeStatsRequest\"(\n\x11WatchStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\x85\x02\n\tModelLoad\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x15\n\rkv_cells_used\x18\x07 \x01(\x04\x12\x19\n\x11kv_cells_capacity\x18\x08 \x01(\x04\x12\x15\n\rp99_latency_s\x18\t \x01(\x01\x12\x15\n\rp95_latency_s\x18\n \x01(\x01\x12\x15\n\rrequest_count\x18\x0b \x01(\x04\x12\x15\n\rfailure_count\x18\x0c \x01(\x04\"\x8d\x03\n\tNodeStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12$\n\x06models\x18\x02 \x03(\x0b\x32\x14.modeld.v1.ModelLoad\x12\x19\n\x11memory_used_bytes\x18\x03 \x01(\x04\x12\x1b\n\x13memory_budget_bytes\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x15\n\rkv_cells_used\x18\x07 \x01(\x04\x12\x19\n\x11kv_cells_capacity\x18\x08 \x01(\x04\x12\x10\n\x08uptime_s\x18\t \x01(\x01\x12\x1d\n\x15gpu_memory_used_bytes\x18\n \x01(\x04\x12\x1e\n\x16gpu_memory_total_bytes\x18\x0b \x01(\x04\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x37\n\x12unhealthy_backends\x18\r \x03(\x0b\x32\x1b.modeld.v1.UnhealthyBackend\x12\x1b\n\x13\x64\x61\x65mon_memory_bytes\x18\x0e \x01(\x04\"D\n\x10UnhealthyBackend\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nretry_in_s\x18\x03 \x01(\x01\x32\x86\x01\n\x04Node\x12:\n\x05Stats\x12\x1b.modeld.v1.NodeStatsRequest\x1a\x14.modeld.v1.NodeStats\x12\x42\n\nWatchStats\x12\x1c.modeld.v1.WatchStatsRequest\x1a\x14.modeld.v1.NodeStats0\x01\x62\x06proto3')
+DESCRIPTOR = _modeld_pool.POOL.AddSerializedFile(b'\n\nnode.proto\x12\tmodeld.v1\"\x12\n\x10NodeStatsRequest\"(\n\x11WatchStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\xb8\x02\n\tModelLoad\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x15\n\rkv_cells_used\x18\x07 \x01(\x04\x12\x19\n\x11kv_cells_capacity\x18\x08 \x01(\x04\x12\x15\n\rp99_latency_s\x18\t \x01(\x01\x12\x15\n\rp95_latency_s\x18\n \x01(\x01\x12\x15\n\rrequest_count\x18\x0b \x01(\x04\x12\x15\n\rfailure_count\x18\x0c \x01(\x04\x12\x17\n\x0fpull_bytes_done\x18\r \x01(\x04\x12\x18\n\x10pull_bytes_total\x18\x0e \x01(\x04\"\x8d\x03\n\tNodeStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12$\n\x06models\x18\x02 \x03(\x0b\x32\x14.modeld.v1.ModelLoad\x12\x19\n\x11memory_used_bytes\x18\x03 \x01(\x04\x12\x1b\n\x13memory_budget_bytes\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x15\n\rkv_cells_used\x18\x07 \x01(\x04\x12\x19\n\x11kv_cells_capacity\x18\x08 \x01(\x04\x12\x10\n\x08uptime_s\x18\t \x01(\x01\x12\x1d\n\x15gpu_memory_used_bytes\x18\n \x01(\x04\x12\x1e\n\x16gpu_memory_total_bytes\x18\x0b \x01(\x04\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x37\n\x12unhealthy_backends\x18\r \x03(\x0b\x32\x1b.modeld.v1.UnhealthyBackend\x12\x1b\n\x13\x64\x61\x65mon_memory_bytes\x18\x0e \x01(\x04\"D\n\x10UnhealthyBackend\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nretry_in_s\x18\x03 \x01(\x01\x32\x86\x01\n\x04Node\x12:\n\x05Stats\x12\x1b.modeld.v1.NodeStatsRequest\x1a\x14.modeld.v1.NodeStats\x12\x42\n\nWatchStats\x12\x1c.modeld.v1.WatchStatsRequest\x1a\x14.modeld.v1.NodeStats0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,11 +37,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHSTATSREQUEST']._serialized_start=45
   _globals['_WATCHSTATSREQUEST']._serialized_end=85
   _globals['_MODELLOAD']._serialized_start=88
-  _globals['_MODELLOAD']._serialized_end=349
-  _globals['_NODESTATS']._serialized_start=352
-  _globals['_NODESTATS']._serialized_end=749
-  _globals['_UNHEALTHYBACKEND']._serialized_start=751
-  _globals['_UNHEALTHYBACKEND']._serialized_end=819
-  _globals['_NODE']._serialized_start=822
-  _globals['_NODE']._serialized_end=956
+  _globals['_MODELLOAD']._serialized_end=400
+  _globals['_NODESTATS']._serialized_start=403
+  _globals['_NODESTATS']._serialized_end=800
+  _globals['_UNHEALTHYBACKEND']._serialized_start=802
+  _globals['_UNHEALTHYBACKEND']._serialized_end=870
+  _globals['_NODE']._serialized_start=873
+  _globals['_NODE']._serialized_end=1007
 # @@protoc_insertion_point(module_scope)

@@ -108,6 +108,8 @@ def _model_load(load: ModelLoad) -> pb.ModelLoad:
         queue_depth=load.queue_depth,
         kv_cells_used=load.kv_cells_used,
         kv_cells_capacity=load.kv_cells_capacity,
+        pull_bytes_done=status.pull_done,
+        pull_bytes_total=status.pull_total,
     )
 
 
