@@ -460,60 +460,44 @@ def _tenant_handler(handler: grpc.RpcMethodHandler, tenant: Tenant, method: str)
     inner = _behaviour(handler)
     model_field = _MODEL_FIELD.get(method) if tenant.limits.models is not None else None
 
-    def check(request) -> None:
-        if model_field is not None:
-            tenant.check_model(_model_of(request, model_field))
+    async def check(request, context) -> None:
+        if model_field is None:
+            return
+        if isinstance(request, bytes) and len(request) > _PEEK_IN_THREAD_BYTES:
+            model = await asyncio.to_thread(_model_of, request, model_field)  # a large message: off the loop
+        else:
+            model = _model_of(request, model_field)
+        try:
+            tenant.check_model(model)
+        except ModelNotAllowed as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
 
     async def checked(requests, context):
         async for request in requests:
-            try:
-                check(request)
-            except ModelNotAllowed as exc:
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+            await check(request, context)
             yield request
 
-    if handler.request_streaming:
-        async def run(requests, context):
-            set_current(tenant)
-            result = inner(checked(requests, context), context)
-            if hasattr(result, "__aiter__"):
-                return result
-            return await result
-    else:
-        async def run(request, context):
-            set_current(tenant)
-            try:
-                check(request)
-            except ModelNotAllowed as exc:
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
-            return await inner(request, context)
+    async def start(request, context):
+        set_current(tenant)
+        if handler.request_streaming:
+            return inner(checked(request, context), context)
+        await check(request, context)
+        return inner(request, context)
 
     if handler.response_streaming:
-        # an async generator: grpc iterates it, so the tenant must be set in it
-        if handler.request_streaming:
-            async def streaming(requests, context):
-                set_current(tenant)
-                result = inner(checked(requests, context), context)
-                if hasattr(result, "__aiter__"):
-                    async for reply in result:
-                        yield reply
-                else:
-                    await result
-        else:
-            async def streaming(request, context):
-                set_current(tenant)
-                try:
-                    check(request)
-                except ModelNotAllowed as exc:
-                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
-                result = inner(request, context)
-                if hasattr(result, "__aiter__"):
-                    async for reply in result:
-                        yield reply
-                else:
-                    await result
+        # an async generator: grpc iterates it, so the tenant is set in it
+        async def streaming(request, context):
+            result = await start(request, context)
+            if hasattr(result, "__aiter__"):
+                async for reply in result:
+                    yield reply
+            else:
+                await result
         return _same_shape(handler, streaming)
-    return _same_shape(handler, run)
+
+    async def unary(request, context):
+        return await (await start(request, context))
+    return _same_shape(handler, unary)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
