@@ -141,6 +141,9 @@ class HubServer:
         # the first GET of each file closes its connection after this many bytes (0: never)
         self.drop_after = drop_after
         self._dropped: set[str] = set()
+        # hold_file's body stops after hold_after bytes until `hold` is set
+        self.hold: threading.Event | None = None
+        self.hold_file, self.hold_after = "", 0
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -216,6 +219,17 @@ class HubServer:
                     self.wfile.flush()
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if body and hub.hold is not None and rel.endswith(hub.hold_file):
+                    self.send_response(code)
+                    for k, v in headers.items():
+                        self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(data) - start))
+                    self.end_headers()
+                    self.wfile.write(data[start:start + hub.hold_after])
+                    self.wfile.flush()
+                    hub.hold.wait(60)
+                    self.wfile.write(data[start + hub.hold_after:])
                     return
                 self._send(code, data[start:], headers, body)
 

@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from tritonclient.utils import InferenceServerException
 
 from daemon import ROOT, start_daemon
+from polling import wait_until
 from store_servers import S3_ENV, HubServer, start_registry, start_s3
 
 
@@ -100,13 +101,13 @@ def served(stores):
     daemon = start_daemon("--config", str(settings), repository=repository,
                           env={**S3_ENV, "HF_ENDPOINT": hub.endpoint, "HF_HUB_OFFLINE": "0"})
     client = tc.InferenceServerClient(daemon.address)
-    yield daemon, client, registry, root
+    yield daemon, client, registry, root, hub
     client.close()
     daemon.stop()
 
 
 def test_a_repository_entry_serves_what_modeld_push_wrote(served):
-    daemon, client, _, _ = served
+    daemon, client, _, _, _ = served
     assert infer(client, "scale").tolist() == [[1, 2, 3, 4]]
     index = {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}
     assert index["scale"]["state"] == "READY"
@@ -115,13 +116,13 @@ def test_a_repository_entry_serves_what_modeld_push_wrote(served):
 
 
 def test_an_inline_load_serves_what_the_oras_library_pushed(served):
-    _, client, registry, _ = served
+    _, client, registry, _, _ = served
     client.load_model("by-oras", config=json.dumps({"source": registry.uri("models/by-oras", "v1")}))
     assert infer(client, "by-oras").tolist() == [[2, 2, 2, 2]]
 
 
 def test_s3_and_hub_sources_load_through_their_own_clients(served):
-    daemon, client, _, _ = served
+    daemon, client, _, _, _ = served
     client.load_model("from-s3", config=json.dumps({"source": "s3://models/scale/"}))
     assert infer(client, "from-s3").tolist() == [[3, 3, 3, 3]]
     # the HTTP load route takes the same config
@@ -132,7 +133,7 @@ def test_s3_and_hub_sources_load_through_their_own_clients(served):
 
 
 def test_a_blob_that_does_not_match_its_digest_is_discarded_naming_the_layer(served, tmp_path):
-    _, client, registry, root = served
+    _, client, registry, root, _ = served
     uri = registry.uri("models/corrupt", "v1")
     assert modeld("push", str(model_folder(tmp_path / "corrupt", [5, 6, 7, 8])), uri, "--plain-http").returncode == 0
     manifest = httpx.get(f"http://{registry.host}/v2/models/corrupt/manifests/v1",
@@ -153,7 +154,7 @@ def test_a_blob_that_does_not_match_its_digest_is_discarded_naming_the_layer(ser
 
 
 def test_unknown_tags_schemes_and_escaping_names_are_refused(served):
-    _, client, registry, root = served
+    _, client, registry, root, _ = served
     cases = [(registry.uri("models/scale", "nope"), "StatusCode.NOT_FOUND", "has no manifest"),
              ("ftp://example.com/model", "StatusCode.INVALID_ARGUMENT", "'ftp'")]
     # a manifest whose layer names a file outside the model folder
@@ -186,7 +187,7 @@ def test_unknown_tags_schemes_and_escaping_names_are_refused(served):
 
 
 def test_two_models_naming_one_artifact_pull_it_once(served):
-    daemon, client, registry, root = served
+    daemon, client, registry, root, _ = served
     uri = registry.uri("models/shared", "v1")
     assert modeld("push", str(model_folder(root / "shared", [9, 9, 9, 9])), uri, "--plain-http").returncode == 0
     errors: list[Exception] = []
@@ -206,3 +207,41 @@ def test_two_models_naming_one_artifact_pull_it_once(served):
     # one folder in the cache, its blobs stored once
     entries = [json.loads(p.read_text()) for p in (root / "cache" / "models").glob("*.json")]
     assert [e["uri"] for e in entries].count(uri) == 1
+
+
+def test_a_model_being_pulled_reports_pulling_with_its_bytes(served):
+    daemon, client, _, root, hub = served
+    folder = model_folder(root / "hub" / "org" / "slow", [0, 1, 2, 3], toml=False)
+    size = (folder / "model.onnx").stat().st_size
+    hub.hold, hub.hold_file, hub.hold_after = threading.Event(), "model.onnx", 100  # 100 bytes, then held
+    loaded: list[object] = []
+    loader = threading.Thread(target=lambda: loaded.append(
+        client.load_model("slow", config=json.dumps({"source": "hf://org/slow"}))))
+    loader.start()
+    try:
+        def pulling():
+            models = client.get_model_repository_index(as_json=True)["models"]
+            return next((m for m in models if m["name"] == "slow" and m.get("state") == "PULLING"
+                         and f"100 of {size} bytes" in m.get("reason", "")), None)
+        wait_until(pulling, what="slow to report PULLING with its bytes")
+        from modeld.clients import Client
+
+        with Client(daemon.address) as modeld_client:
+            stats = {m.name: m for m in modeld_client.node_stats().models}
+        assert stats["slow"].state == "PULLING"
+        assert (stats["slow"].pull_bytes_done, stats["slow"].pull_bytes_total) == (100, size)
+    finally:
+        hub.hold.set()
+        loader.join()
+        hub.hold = None
+    assert infer(client, "slow").tolist() == [[0, 1, 2, 3]]
+
+
+def test_modeld_pull_loads_a_model_into_a_running_daemon(served):
+    daemon, client, registry, _, _ = served
+    done = modeld("pull", registry.uri("models/scale", "v1"), "--name", "by-cli", "--address", daemon.address)
+    assert done.returncode == 0, done.stderr
+    assert "loaded it as by-cli" in done.stdout
+    assert infer(client, "by-cli").tolist() == [[1, 2, 3, 4]]
+    refused = modeld("pull", "gs://bucket/model", "--address", daemon.address)
+    assert refused.returncode != 0 and "'gs'" in refused.stderr
