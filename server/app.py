@@ -199,8 +199,9 @@ class Daemon:
 
         sock = _listen(s.host, s.http_port)
         config = uvicorn.Config(
-            # the same byte cap as a gRPC request's (the data plane's max_request_bytes)
-            build_app(self.plane, s.max_request_bytes or s.max_message_bytes, authenticator=self.auth),
+            # bodies up to gRPC's message cap; inference bodies also their
+            # model's request size cap (http/common.py, read_body)
+            build_app(self.plane, s.max_message_bytes, authenticator=self.auth),
             log_config=None, lifespan="off", access_log=False, server_header=False,
             # past it uvicorn answers 503 before the app runs; idle keep-alive connections count
             limit_concurrency=s.http_max_concurrency or None,
