@@ -15,6 +15,7 @@ import hashlib
 import json
 import shutil
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -54,8 +55,97 @@ class Registry:
             self.proc.kill()
 
 
-def start_registry(root: Path, htpasswd: tuple[str, str] | None = None) -> Registry:
-    """docker-registry serving plain HTTP on a free loopback port."""
+class TokenServer:
+    """The registry's token service (distribution's `auth: token`): Basic
+    credentials in, an RS256 JWT out whose x5c chain the registry checks
+    against its rootcertbundle, granting the scope asked for."""
+
+    SERVICE, ISSUER = "modeld-test-registry", "modeld-test-issuer"
+
+    def __init__(self, root: Path, user: str, password: str) -> None:
+        import datetime
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import rsa
+        from cryptography.x509.oid import NameOID
+
+        self.key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "modeld test token signer")])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        self.cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+                     .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
+                     .not_valid_before(now - datetime.timedelta(hours=1))
+                     .not_valid_after(now + datetime.timedelta(days=1))
+                     .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                     .sign(self.key, hashes.SHA256()))
+        self.bundle = root / "token-signer.pem"
+        self.bundle.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
+        self.requests: list[str] = []  # the scope of each token asked for
+        expected = "Basic " + __import__("base64").b64encode(f"{user}:{password}".encode()).decode()
+        tokens = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                from urllib.parse import parse_qs, urlparse
+
+                query = parse_qs(urlparse(self.path).query)
+                scope = query.get("scope", [""])[0]
+                tokens.requests.append(scope)
+                if self.headers.get("Authorization") != expected:
+                    self.send_response(401)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                body = json.dumps({"token": tokens.token(scope)}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def realm(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/token"
+
+    def token(self, scope: str) -> str:
+        import base64
+        import uuid
+
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import padding
+
+        def b64(data: bytes) -> str:
+            return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+        access = []
+        if scope.count(":") == 2:
+            kind, repo, actions = scope.split(":")
+            access.append({"type": kind, "name": repo, "actions": actions.split(",")})
+        now = int(time.time())
+        header = {"typ": "JWT", "alg": "RS256",
+                  "x5c": [base64.b64encode(self.cert.public_bytes(serialization.Encoding.DER)).decode()]}
+        claims = {"iss": self.ISSUER, "sub": "alice", "aud": self.SERVICE, "exp": now + 300, "nbf": now - 10,
+                  "iat": now, "jti": uuid.uuid4().hex, "access": access}
+        signing = f"{b64(json.dumps(header).encode())}.{b64(json.dumps(claims).encode())}"
+        signature = self.key.sign(signing.encode(), padding.PKCS1v15(), hashes.SHA256())
+        return f"{signing}.{b64(signature)}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def start_registry(root: Path, htpasswd: tuple[str, str] | None = None, token: TokenServer | None = None,
+                   tls: tuple[Path, Path] | None = None, ca_file: Path | None = None) -> Registry:
+    """docker-registry on a free loopback port: plain HTTP, or TLS with the
+    (certificate, key) in `tls`; behind htpasswd (Basic) or token auth."""
     if not Path(REGISTRY_BIN).exists():
         raise RuntimeError("docker-registry is not installed: `make registry` (apt-get install docker-registry)")
     port = free_port()
@@ -68,19 +158,25 @@ def start_registry(root: Path, htpasswd: tuple[str, str] | None = None) -> Regis
                                 check=True).stdout.strip()
         (root / "htpasswd").write_text(hashed + "\n")
         auth = f"auth:\n  htpasswd:\n    realm: modeld-test\n    path: {root / 'htpasswd'}\n"
+    if token is not None:
+        auth = (f"auth:\n  token:\n    realm: {token.realm}\n    service: {token.SERVICE}\n"
+                f"    issuer: {token.ISSUER}\n    rootcertbundle: {token.bundle}\n")
+    tls_config = f"  tls:\n    certificate: {tls[0]}\n    key: {tls[1]}\n" if tls is not None else ""
     config = root / "config.yml"
     config.write_text(
         "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\n"
         f"storage:\n  filesystem:\n    rootdirectory: {storage}\n  delete:\n    enabled: true\n"
         f"  cache:\n    blobdescriptor: \"\"\n"
-        f"http:\n  addr: 127.0.0.1:{port}\n{auth}")
+        f"http:\n  addr: 127.0.0.1:{port}\n{tls_config}{auth}")
     proc = subprocess.Popen([REGISTRY_BIN, "serve", str(config)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     registry = Registry(proc, f"127.0.0.1:{port}", storage)
     deadline = time.monotonic() + 30
     while True:
         try:
-            if httpx.get(f"http://{registry.host}/v2/", timeout=1).status_code in (200, 401):
+            scheme = "https" if tls is not None else "http"
+            verify = ssl.create_default_context(cafile=str(ca_file)) if ca_file is not None else True
+            if httpx.get(f"{scheme}://{registry.host}/v2/", timeout=1, verify=verify).status_code in (200, 401):
                 return registry
         except httpx.TransportError:
             pass

@@ -16,7 +16,7 @@ import pytest
 from modeld.backends.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from modeld.server.store import ModelStore, OciSettings, StoreSettings, parse_uri
 from modeld.server.store.cache import BlobCache, Listing, RemoteFile, TransferBroken, safe_path
-from store_servers import HubServer, start_registry
+from store_servers import HubServer, TokenServer, start_registry
 
 
 def digest_of(data: bytes) -> str:
@@ -230,3 +230,40 @@ def test_an_artifact_with_nothing_to_load_is_refused_before_fetching(tmp_path):
     with pytest.raises(InvalidArgument, match="no file a backend can load"):
         check_loadable(pulled)
     assert fetchers["README.md"].offsets == []
+
+
+def test_a_tls_registry_with_token_auth_is_pulled_with_its_ca_and_credentials(tmp_path):
+    import trustme
+
+    from modeld.backends.errors import Unavailable
+
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1")
+    cert, key, ca_file = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
+    leaf.private_key_and_cert_chain_pem.write_to_path(str(cert))
+    leaf.private_key_pem.write_to_path(str(key))
+    ca.cert_pem.write_to_path(str(ca_file))
+    tokens = TokenServer(tmp_path, "alice", "secret")
+    registry = start_registry(tmp_path / "registry", token=tokens, tls=(cert, key), ca_file=ca_file)
+    try:
+        uri = registry.uri("models/tls", "v1")
+        folder = tmp_path / "model"
+        folder.mkdir()
+        (folder / "model.onnx").write_bytes(b"graph over tls")
+        auth = tmp_path / "config.json"
+        auth.write_text(json.dumps({"auths": {registry.host: {"auth": base64.b64encode(b"alice:secret").decode()}}}))
+        with pytest.raises(Unavailable, match="store_oci_ca_file"):  # the system's CAs do not know ours
+            ModelStore(StoreSettings(tmp_path / "c0", 10_000, OciSettings(auth_file=auth))).push(folder, uri)
+        anonymous = ModelStore(StoreSettings(tmp_path / "c1", 10_000, OciSettings(ca_file=ca_file)))
+        with pytest.raises(FailedPrecondition, match="refused access"):
+            anonymous.push(folder, uri)
+        trusted = OciSettings(ca_file=ca_file, auth_file=auth)
+        ModelStore(StoreSettings(tmp_path / "c2", 10_000, trusted)).push(folder, uri)
+        with pytest.raises(FailedPrecondition, match="refused access"):
+            anonymous.pull_sync(uri)
+        pulled = ModelStore(StoreSettings(tmp_path / "c3", 10_000, trusted)).pull_sync(uri)
+        assert (pulled.folder / "model.onnx").read_bytes() == b"graph over tls"
+        assert "repository:models/tls:pull" in tokens.requests  # the Bearer challenge was followed
+    finally:
+        registry.stop()
+        tokens.stop()
