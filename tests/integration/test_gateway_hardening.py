@@ -206,3 +206,22 @@ def test_a_node_without_the_fleet_token_is_never_admitted(fleet):
     assert not stranger.events("call_refused") or all(
         e.get("method", "").startswith("/grpc.health") for e in stranger.events("call_refused"))
     assert _metric(gateway, "modeld_gateway_picks_total", node=stranger.address) == 0
+
+
+def test_the_gateway_rereads_its_client_tokens_on_sighup(fleet):
+    import signal
+
+    stub, folder, gateway = fleet["stub"], fleet["folder"], fleet["gateway"]
+    late = "late-" + secrets.token_urlsafe(24)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.ServerMetadata(pb.ServerMetadataRequest(), metadata=_md(late), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    (folder / "clients.txt").write_text(CLIENT_LINES + f"{late} infer tenant=late\n")
+    gateway.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: gateway.events("auth_tokens_reloaded"), 30, "the gateway to reread its tokens")
+    # the node has no such token: the gateway lets the call through, and the node judges it
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.ModelInfer(_request(), metadata=_md(late), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "not valid on this daemon" in caught.value.details()
+    assert _metric(gateway, "modeld_tenant_requests_total", tenant="late") == 1

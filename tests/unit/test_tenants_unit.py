@@ -85,3 +85,30 @@ def test_a_tenant_over_its_rate_is_refused_with_a_retry_after_and_another_is_not
     # a reload keeps what each bucket holds: rereading the file refills nothing
     assert auth.reload()
     assert isinstance(call(TOKEN_A), Denied)
+
+
+def test_a_tenant_s_streams_are_counted_while_they_run_and_refused_past_its_limit():
+    import asyncio
+
+    from modeld.backends.generation.params import TokenEvent
+    from modeld.server import tenants
+    from modeld.server.tenants import QuotaExceeded, Tenant, TenantMetrics
+
+    tenant = Tenant("t", TenantLimits(max_streams=1, tokens_per_minute=60), TenantMetrics())
+
+    async def events():
+        for i in range(3):
+            yield TokenEvent(token_ids=(i, i + 1), text="ab")
+
+    async def main():
+        tenants.set_current(tenant)
+        first = tenants.metered(events())
+        assert (await anext(first)).token_ids == (0, 1)
+        assert tenant.streams == 1
+        with pytest.raises(QuotaExceeded, match="generations in progress"):
+            await anext(tenants.metered(events()))
+        assert [e.token_ids async for e in first] == [(1, 2), (2, 3)]
+        assert tenant.streams == 0
+
+    asyncio.run(main())
+    assert tenant.tokens.level == pytest.approx(60 - 6, abs=0.1)  # six tokens charged as they streamed
