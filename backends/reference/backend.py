@@ -15,6 +15,7 @@ from modeld.backends.base import Backend, Capability, Verdict
 from modeld.backends.dtypes import DATATYPE_BY_ONNX_ELEM, shape_from_dims
 from modeld.backends.errors import BackendFailure, InvalidArgument, LoadFailed
 from modeld.backends.model_config import ModelConfig, ModelFormat, TensorSpec
+from modeld.backends.onnx.external_data import check_model_file
 from modeld.backends.tensor_model import GraphModel, process_rss
 
 
@@ -38,6 +39,8 @@ class ReferenceModel(GraphModel):
         from modeld.backends.reference.custom_ops import CUSTOM_OPS
 
         path = model_dir / config.artifact_path
+        # onnx.load follows external data wherever the graph says: checked first
+        check_model_file(config.name, path.parent, path)
         rss_before = process_rss()
         try:
             proto = onnx.load(str(path))
