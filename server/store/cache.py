@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import re
 import shutil
 import threading
@@ -108,6 +109,59 @@ def safe_path(raw: object, where: str) -> str:
         raise InvalidArgument(f"{where}: file name {raw[:80]!r} would leave the model folder; names must be "
                               "relative paths without '..'")
     return raw
+
+
+class _Digests:
+    def __init__(self, md5: bool) -> None:
+        self.sha256 = hashlib.sha256()
+        self.md5 = hashlib.md5() if md5 else None  # only where the source checks by MD5: it costs as much again
+
+    def update(self, chunk: bytes) -> None:
+        self.sha256.update(chunk)
+        if self.md5 is not None:
+            self.md5.update(chunk)
+
+
+class _Writer:
+    """Hashes and writes a download on a thread of its own, so the network
+    reads go on meanwhile (hashlib and file writes release the GIL)."""
+
+    _BATCH = 1024 * 1024
+
+    def __init__(self, out, digests: _Digests) -> None:
+        self.out, self.digests = out, digests
+        self._queue: queue.Queue = queue.Queue(maxsize=8)
+        self._pending = bytearray()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="modeld-pull-write", daemon=True)
+        self._thread.start()
+
+    def put(self, chunk: bytes) -> None:
+        if self._error is not None:
+            raise self._error
+        self._pending += chunk
+        if len(self._pending) >= self._BATCH:
+            self._queue.put(bytes(self._pending))
+            self._pending.clear()
+
+    def close(self) -> None:
+        if self._pending:
+            self._queue.put(bytes(self._pending))
+            self._pending.clear()
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while (block := self._queue.get()) is not None:
+            if self._error is not None:
+                continue  # drain: the caller sees the error at its next put or at close
+            try:
+                self.out.write(block)
+                self.digests.update(block)
+            except BaseException as exc:  # noqa: BLE001 - a full disk, raised in the caller's thread
+                self._error = exc
 
 
 class BlobCache:
@@ -271,13 +325,12 @@ class BlobCache:
 
     def _download(self, listing: Listing, f: RemoteFile, progress: Progress, part_name: str) -> str:
         part = self.root / "partial" / f"{part_name}.part"
-        hasher, md5 = hashlib.sha256(), hashlib.md5()
+        digests = _Digests(f.check_md5 is not None)
         offset = 0
         if part.is_file():  # a pull that broke off earlier: hash what it kept, then go on from there
             with part.open("rb") as kept:
                 for chunk in iter(lambda: kept.read(CHUNK), b""):
-                    hasher.update(chunk)
-                    md5.update(chunk)
+                    digests.update(chunk)
                     offset += len(chunk)
         progress.done += offset
         for attempt in range(RESUME_TRIES + 1):
@@ -285,18 +338,20 @@ class BlobCache:
                 chunks, start = f.fetch(offset)
                 if start != offset:  # the source ignored the range: start over
                     progress.done -= offset
-                    hasher, md5, offset = hashlib.sha256(), hashlib.md5(), 0
+                    digests, offset = _Digests(f.check_md5 is not None), 0
                     part.unlink(missing_ok=True)
                 with part.open("ab") as out:
-                    for chunk in chunks:
-                        if f.size is not None and offset + len(chunk) > f.size:
-                            raise InvalidArgument(f"{listing.uri}: {f.label} is larger than the {f.size} bytes "
-                                                  "its listing gives")
-                        out.write(chunk)
-                        hasher.update(chunk)
-                        md5.update(chunk)
-                        offset += len(chunk)
-                        progress.done += len(chunk)
+                    writer = _Writer(out, digests)
+                    try:
+                        for chunk in chunks:
+                            if f.size is not None and offset + len(chunk) > f.size:
+                                raise InvalidArgument(f"{listing.uri}: {f.label} is larger than the {f.size} "
+                                                      "bytes its listing gives")
+                            writer.put(chunk)
+                            offset += len(chunk)
+                            progress.done += len(chunk)
+                    finally:
+                        writer.close()  # what arrived is on disk and hashed, a resume's starting point
                 break
             except TransferBroken as exc:
                 if attempt == RESUME_TRIES:
@@ -306,11 +361,11 @@ class BlobCache:
             except ModeldError:
                 part.unlink(missing_ok=True)
                 raise
-        actual = "sha256:" + hasher.hexdigest()
+        actual = "sha256:" + digests.sha256.hexdigest()
         if f.size is not None and offset != f.size:
             part.unlink(missing_ok=True)
             raise Unavailable(f"{listing.uri}: {f.label} ended after {offset} of {f.size} bytes; try again")
-        if (f.digest and actual != f.digest) or (f.check_md5 and md5.hexdigest() != f.check_md5):
+        if (f.digest and actual != f.digest) or (f.check_md5 and digests.md5.hexdigest() != f.check_md5):
             part.unlink(missing_ok=True)
             want = f.digest or f"MD5 {f.check_md5}"
             raise DigestMismatch(f"{listing.uri}: {f.label} does not match its digest (expected {want}, got "
