@@ -253,3 +253,122 @@ def mutated(draw, seeds: list[bytes]):
             data[at:at] = draw(st.sampled_from([b"\xff" * 10, b"\x80" * 5 + b"\x01", b"\x0a\xff\xff\xff\x0f",
                                                 b"\x00", b"\x07", b"\xfa\xff\xff\xff\x0f"]))
     return bytes(data)
+
+
+# -- HTTP bodies: the OpenAI and KServe REST fronts ------------------------------------
+
+# max_tokens a body may ask, refused ones included; small or far out of range
+# (never one the context would cut short), as an HTTP answer is read whole
+HTTP_MAX_TOKENS = st.sampled_from([0, 1, 2, -1, 2**63, 2**64, "2", 1.5, [], None])
+# JSON of any shape, for fields that should have been something else
+ANY_JSON = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**64), 2**64), st.floats(allow_nan=False),
+              st.text(max_size=20)),
+    lambda children: st.one_of(st.lists(children, max_size=3),
+                               st.dictionaries(st.text(max_size=8), children, max_size=3)),
+    max_leaves=8)
+OPENAI_FIELDS = ["temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "logprobs", "top_logprobs",
+                 "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "stream",
+                 "stream_options", "priority", "user", "tools", "tool_choice", "echo", "suffix", "best_of",
+                 "ignore_eos", "min_tokens", "encoding_format", "dimensions", "junk"]
+FIELD_VALUES = st.one_of(ANY_JSON, st.sampled_from([0, 1, -1, 0.5, 2.0, True, "", "x", [], {}, ["a", "b"],
+                                                    {"type": "json_object"}, {"1": 5}, {"include_usage": True}]))
+
+
+def _without_long_generations(body: dict) -> dict:
+    """A body the daemon accepts must still end within a step or two: an
+    absent max_tokens (the default is long) is 1, an n it would take is 2."""
+    if body.get("max_tokens") is None:
+        body["max_tokens"] = 1
+    n = body.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and 2 < n < 2**20:
+        body["n"] = 2
+    return body
+
+
+@st.composite
+def openai_bodies(draw, endpoint: str):
+    """A JSON body for one /v1 endpoint, anywhere between valid and nonsense."""
+    body: dict = {}
+    if draw(st.integers(0, 9)):
+        body["model"] = draw(st.one_of(names, ANY_JSON))
+    if endpoint == "/v1/chat/completions":
+        if draw(st.integers(0, 9)):
+            body["messages"] = draw(st.one_of(
+                st.lists(st.fixed_dictionaries(
+                    {"role": st.sampled_from(["user", "system", "assistant", "tool", "", "x"])},
+                    optional={"content": st.one_of(st.text(max_size=40), ANY_JSON),
+                              "name": small_text, "tool_call_id": small_text}), max_size=3),
+                ANY_JSON))
+    elif endpoint == "/v1/completions":
+        if draw(st.integers(0, 9)):
+            body["prompt"] = draw(st.one_of(st.text(max_size=60), st.lists(st.text(max_size=20), max_size=3),
+                                            st.lists(st.integers(-5, 50000), max_size=6), ANY_JSON))
+    elif endpoint == "/v1/embeddings":
+        body["model"] = draw(st.sampled_from(["minilm", "add", "smollm2", "absent"]))
+        body["input"] = draw(st.one_of(st.text(max_size=40), st.lists(st.text(max_size=20), max_size=4),
+                                       st.lists(st.integers(0, 100), max_size=4), ANY_JSON))
+    elif endpoint == "/v1/rerank":
+        body["model"] = draw(st.sampled_from(["minilm", "add", "absent"]))
+        body["query"] = draw(st.one_of(st.text(max_size=30), ANY_JSON))
+        body["documents"] = draw(st.one_of(st.lists(st.text(max_size=20), max_size=4), ANY_JSON))
+        if draw(st.booleans()):
+            body["top_n"] = draw(st.one_of(st.integers(-2, 6), ANY_JSON))
+    if endpoint in ("/v1/chat/completions", "/v1/completions"):
+        body["max_tokens"] = draw(HTTP_MAX_TOKENS)
+    for key in draw(st.lists(st.sampled_from(OPENAI_FIELDS), max_size=4, unique=True)):
+        body[key] = draw(FIELD_VALUES)
+    if endpoint in ("/v1/chat/completions", "/v1/completions"):
+        body = _without_long_generations(body)
+    return body
+
+
+@st.composite
+def kserve_infer_bodies(draw):
+    """A KServe v2 REST infer body: tensors whose datatype, shape and data disagree."""
+    body: dict = {}
+    inputs = []
+    for _ in range(draw(st.integers(0, 3))):
+        tensor = {}
+        for key, values in (("name", st.one_of(st.sampled_from(INPUT_NAMES), ANY_JSON)),
+                            ("datatype", st.one_of(st.sampled_from(DATATYPES), ANY_JSON)),
+                            ("shape", st.one_of(st.lists(st.one_of(dims, ANY_JSON), max_size=4), ANY_JSON)),
+                            ("data", st.one_of(st.lists(st.one_of(st.floats(allow_nan=False), st.integers(-(2**70), 2**70),
+                                                                  st.text(max_size=8), st.booleans()), max_size=12),
+                                               ANY_JSON)),
+                            ("parameters", st.dictionaries(st.sampled_from(PARAMETER_KEYS + ["binary_data_size"]),
+                                                           ANY_JSON, max_size=2))):
+            if draw(st.integers(0, 7)):
+                tensor[key] = draw(values)
+        inputs.append(tensor)
+    if draw(st.integers(0, 9)):
+        body["inputs"] = inputs
+    else:
+        body["inputs"] = draw(ANY_JSON)
+    if draw(st.booleans()):
+        body["outputs"] = draw(st.one_of(st.lists(st.fixed_dictionaries({"name": st.one_of(small_text, ANY_JSON)}),
+                                                  max_size=2), ANY_JSON))
+    if draw(st.booleans()):
+        params = draw(st.dictionaries(st.sampled_from(PARAMETER_KEYS), ANY_JSON, max_size=3))
+        if "max_tokens" in params:
+            params["max_tokens"] = draw(st.sampled_from([0, 1, -1, "x"]))
+        body["parameters"] = params
+    for key in draw(st.lists(st.sampled_from(["id", "junk"]), max_size=2, unique=True)):
+        body[key] = draw(ANY_JSON)
+    return body
+
+
+def valid_http_bodies() -> dict[str, list[bytes]]:
+    """Good bodies per HTTP route, the seeds of byte-level mutation."""
+    add = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
+    return {path: [json.dumps(b).encode() for b in bodies] for path, bodies in {
+        "/v1/chat/completions": [{"model": "smollm2", "max_tokens": 1,
+                                  "messages": [{"role": "user", "content": "Hi"}]}],
+        "/v1/completions": [{"model": "smollm2", "prompt": "Hello", "max_tokens": 1}],
+        "/v1/embeddings": [{"model": "minilm", "input": ["a sentence", "another"]}],
+        "/v1/rerank": [{"model": "minilm", "query": "cats", "documents": ["a cat", "a dog"]}],
+        "/v2/models/add/infer": [add],
+        "/v2/models/smollm2/infer": [{"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1],
+                                                  "data": ["Hi"]}], "parameters": {"max_tokens": 1}}],
+        "/v2/repository/index": [{"ready": True}],
+    }.items()}
