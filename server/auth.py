@@ -393,15 +393,22 @@ _MODEL_FIELD = {
 }
 
 
-def _model_of(request, field: tuple[str, int]) -> str:
+def _model_of(request, field: tuple[str, int]) -> str | None:
+    """The request's model name; None when its bytes cannot be read (then a
+    tenant with a model list is refused: protobuf might still read a name
+    out of bytes this reader gives up on)."""
     if isinstance(request, (bytes, bytearray, memoryview)):
         from modeld.server.gateway.wire import WireError, string_field  # the reader the gateway routes by
 
         try:
-            return string_field(bytes(request), field[1])
+            return string_field(bytes(request), field[1], max_fields=_MAX_MODEL_WALK)
         except WireError:
-            return ""  # the handler refuses the bytes in its own words
+            return None
     return getattr(request, field[0], "") or ""
+
+
+_MAX_MODEL_WALK = 1_000_000  # top-level fields walked for the model name; a real request has a few hundred
+_UNREADABLE = "cannot read the request's model name, so the tenant's model list cannot be checked"
 
 
 def _metadata_value(metadata, key: str) -> str | None:
@@ -467,6 +474,8 @@ def _tenant_handler(handler: grpc.RpcMethodHandler, tenant: Tenant, method: str)
             model = await asyncio.to_thread(_model_of, request, model_field)  # a large message: off the loop
         else:
             model = _model_of(request, model_field)
+        if model is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _UNREADABLE)
         try:
             tenant.check_model(model)
         except ModelNotAllowed as exc:
@@ -561,21 +570,25 @@ async def _read_whole(receive, limit: int | None) -> tuple[bytes, list]:
     return b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request"), messages
 
 
-def _model_in_body(body: bytes, encoding: str, limit: int | None) -> str:
-    """The `model` of a JSON body ("" when it has none or is not JSON: the
-    route then refuses it in its own words)."""
-    if encoding in ("gzip", "deflate"):
+def _model_in_body(body: bytes, encoding: str, limit: int | None) -> str | None:
+    """The `model` of a JSON body, read as the route reads it (json.loads,
+    the same bounded inflation); None when it cannot be read."""
+    if encoding not in ("", "identity"):
+        if encoding not in ("gzip", "deflate"):
+            return None
         inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
         try:
-            body = inflater.decompress(body, limit or 0)
+            body = inflater.decompress(body, limit + 1 if limit else 0)
         except zlib.error:
-            return ""
+            return None
+        if inflater.unconsumed_tail or (limit and len(body) > limit):
+            return None
     try:
         value = json.loads(body)
     except (ValueError, RecursionError):
-        return ""
+        return None
     model = value.get("model") if isinstance(value, dict) else None
-    return model if isinstance(model, str) else ""
+    return model if isinstance(model, str) else None
 
 
 class HttpAuthMiddleware:
@@ -652,6 +665,10 @@ class HttpAuthMiddleware:
             model = path[len("/v1/models/"):]
         else:
             model = ""
+        if model is None:
+            message = f"{_UNREADABLE}: send a JSON object with a string 'model'"
+            await _http_error(path, 400, "invalid_request_error", message)(scope, receive, send)
+            return None
         try:
             tenant.check_model(model)
         except ModelNotAllowed as exc:
