@@ -240,6 +240,7 @@ class HubServer:
         # hold_file's body stops after hold_after bytes until `hold` is set
         self.hold: threading.Event | None = None
         self.hold_file, self.hold_after = "", 0
+        self.fail_with = 0  # an HTTP status every request gets instead (0: serve)
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -253,6 +254,8 @@ class HubServer:
                 self._serve(body=True)
 
             def _serve(self, body: bool) -> None:
+                if hub.fail_with:
+                    return self._send(hub.fail_with, b'{"error": "failing on purpose"}')
                 path = self.path.split("?", 1)[0]
                 parts = [p for p in path.split("/") if p]
                 if parts[:2] == ["api", "models"]:

@@ -267,3 +267,97 @@ def test_a_tls_registry_with_token_auth_is_pulled_with_its_ca_and_credentials(tm
     finally:
         registry.stop()
         tokens.stop()
+
+
+def _put(client, repo: str, data: bytes) -> dict:
+    client.put_blob(repo, digest_of(data), data, len(data))
+    return {"digest": digest_of(data), "size": len(data)}
+
+
+def test_docker_model_runner_and_modelpack_artifacts_name_their_files(tmp_path):
+    from modeld.server.store.oci import DMR_CONFIG, MODELPACK_CONFIG, OCI_MANIFEST, Registry
+
+    registry = start_registry(tmp_path / "registry")
+    try:
+        client = Registry(registry.host, OciSettings(plain_http=(registry.host,)))
+        # Docker Model Runner: unnamed layers, their kind in the media type
+        config = _put(client, "ai/tiny", json.dumps({"config": {"format": "gguf", "quantization": "Q4_K_M"}}).encode())
+        gguf = _put(client, "ai/tiny", b"GGUF fake weights")
+        license_ = _put(client, "ai/tiny", b"Apache-2.0")
+        manifest = {"schemaVersion": 2, "mediaType": OCI_MANIFEST, "config": {"mediaType": DMR_CONFIG, **config},
+                    "layers": [{"mediaType": "application/vnd.docker.ai.gguf.v3", **gguf},
+                               {"mediaType": "application/vnd.docker.ai.license", **license_},
+                               {"mediaType": "application/vnd.example.unknown", **license_}]}
+        client.put_manifest("ai/tiny", "latest", json.dumps(manifest).encode(), OCI_MANIFEST)
+        # a ModelPack artifact another tool wrote: files by org.cncf.model.filepath
+        mp_config = _put(client, "mp/tiny", json.dumps({"config": {"format": "onnx"}}).encode())
+        graph = _put(client, "mp/tiny", b"onnx graph")
+        manifest = {"schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": "application/vnd.cncf.model.manifest.v1+json",
+                    "config": {"mediaType": MODELPACK_CONFIG, **mp_config},
+                    "layers": [{"mediaType": "application/vnd.cncf.model.weight.v1.raw", **graph,
+                                "annotations": {"org.cncf.model.filepath": "onnx/model.onnx"}}]}
+        client.put_manifest("mp/tiny", "v1", json.dumps(manifest).encode(), OCI_MANIFEST)
+        client.close()
+        store = ModelStore(StoreSettings(tmp_path / "cache", 10_000, OciSettings(plain_http=(registry.host,))))
+        dmr = store.pull_sync(f"oci://{registry.host}/ai/tiny")
+        assert sorted(p.name for p in dmr.folder.iterdir()) == ["LICENSE", "model.gguf"]
+        assert dmr.hints == {"format": "gguf"}
+        pack = store.pull_sync(f"oci://{registry.host}/mp/tiny:v1")
+        assert (pack.folder / "onnx" / "model.onnx").read_bytes() == b"onnx graph"
+        from modeld.server.repository import pulled_config
+
+        config = pulled_config("tiny", pack.uri, {}, pack)
+        assert (config.format.value, config.artifact) == ("onnx", "onnx/model.onnx")
+        # pinned by digest, found in the cache: the registry is not asked again
+        registry.stop()
+        assert store.pull_sync(f"oci://{registry.host}/mp/tiny@{pack.identity}").folder == pack.folder
+    finally:
+        registry.stop()
+
+
+def test_a_mirror_is_tried_first_and_the_origin_when_it_lacks_the_model(tmp_path):
+    origin, mirror = start_registry(tmp_path / "origin"), start_registry(tmp_path / "mirror")
+    try:
+        folder = tmp_path / "model"
+        folder.mkdir()
+        (folder / "model.onnx").write_bytes(b"from the origin")
+        plain = (origin.host, mirror.host)
+        ModelStore(StoreSettings(tmp_path / "p1", 10_000, OciSettings(plain_http=plain))).push(
+            folder, origin.uri("models/m", "v1"))
+        (folder / "model.onnx").write_bytes(b"from the mirror")
+        ModelStore(StoreSettings(tmp_path / "p2", 10_000, OciSettings(plain_http=plain))).push(
+            folder, mirror.uri("models/m", "v1"))
+        mirrored = OciSettings(mirror=mirror.host, plain_http=plain)
+        pulled = ModelStore(StoreSettings(tmp_path / "c1", 10_000, mirrored)).pull_sync(origin.uri("models/m", "v1"))
+        assert (pulled.folder / "model.onnx").read_bytes() == b"from the mirror"
+        (folder / "model.onnx").write_bytes(b"only at the origin")
+        ModelStore(StoreSettings(tmp_path / "p3", 10_000, OciSettings(plain_http=plain))).push(
+            folder, origin.uri("models/other", "v1"))
+        pulled = ModelStore(StoreSettings(tmp_path / "c2", 10_000, mirrored)).pull_sync(origin.uri("models/other", "v1"))
+        assert (pulled.folder / "model.onnx").read_bytes() == b"only at the origin"
+    finally:
+        origin.stop()
+        mirror.stop()
+
+
+def test_a_store_answering_500_is_unavailable_and_a_cached_pull_serves(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from modeld.backends.errors import Unavailable
+
+    (tmp_path / "hub" / "org" / "m").mkdir(parents=True)
+    (tmp_path / "hub" / "org" / "m" / "model.onnx").write_bytes(b"graph")
+    hub = HubServer(tmp_path / "hub")
+    monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    store = ModelStore(StoreSettings(tmp_path / "cache", 10**6))
+    try:
+        hub.fail_with = 500
+        with pytest.raises(Unavailable, match="500"):
+            store.pull_sync("hf://org/m")
+        hub.fail_with = 0
+        first = store.pull_sync("hf://org/m")
+        hub.fail_with = 500
+        assert store.pull_sync("hf://org/m").folder == first.folder  # the store is down: what the cache has
+    finally:
+        hub.stop()
