@@ -630,8 +630,7 @@ class HttpAuthMiddleware:
                 status, headers = 403, {}
             await _http_error(path, status, verdict.kind.value, verdict.message, headers)(scope, receive, send)
             return
-        if verdict.limited:
-            set_current(verdict)
+        set_current(verdict if verdict.limited else None)
         if verdict.limits.models is not None:
             receive = await self._check_model(verdict, scope, receive, send, path, encoding or "identity")
             if receive is None:
