@@ -206,6 +206,11 @@ class DataPlane:
                 f"({format_size(default_cap)}, max_request_bytes); send a smaller request, or raise the limit for "
                 f"this model with limits.max_request_bytes in its config")
 
+    def model_config(self, name: str) -> ModelConfig:
+        """A model's parsed configuration (how a language model's answers are
+        read back, say); NotFound for an unknown model."""
+        return self._config(name)
+
     def _config(self, model: str) -> ModelConfig:
         served = self.engine.served(model)
         return served.config if served is not None else self.engine.repository.resolve(model).config

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from typing import AsyncIterator
 
 from starlette.requests import Request
@@ -15,8 +16,9 @@ from modeld.backends.errors import Cancelled, Unavailable
 from modeld.backends.generation.params import FinalEvent, FinishReason, GenerateRequest, TokenEvent
 from modeld.server.dataplane import DataPlane
 from modeld.server.http.common import unless_client_leaves
-from modeld.server.http.openai_fields import error_response, model_name, priority
-from modeld.server.http.openai_sampling import generation_fields
+from modeld.server.http.openai_fields import FieldError, error_response, model_name, priority
+from modeld.server.http.openai_sampling import GenerationFields, generation_fields
+from modeld.server.http.openai_tools import AnswerReader, ToolFields, tool_fields
 from modeld.server.request_context import current_request_id
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
@@ -148,13 +150,32 @@ class _Generation:
         self.n, self.best_of, self.echo = fields.n, fields.best_of, fields.echo
         self.prompt_text = fields.prompt
         self.request_id = current_request_id()
+        self.tools, self.tool_parser, self.reasoning_parser = ToolFields(), None, None
+        params = self._read_tools(plane, body, fields) if chat else fields.params
         self.request = GenerateRequest(self.model, prompt=fields.prompt, token_ids=fields.token_ids,
-                                       messages=fields.messages, params=fields.params, request_id=self.request_id,
-                                       priority=priority(body))
+                                       messages=fields.messages, params=params, request_id=self.request_id,
+                                       priority=priority(body), tools=self.tools.tools)
         self.logprobs = _Logprobs(plane, self.model, fields.top_logprobs)
         self.id = ("chatcmpl-" if chat else "cmpl-") + self.request_id
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+
+    def _read_tools(self, plane: DataPlane, body: dict, fields: GenerationFields):
+        """The tool fields, and the sampling parameters with the grammar of a
+        required call; the model's config says how its answers are read."""
+        config = plane.model_config(self.model)
+        self.tools = tool_fields(body, config.tool_parser)
+        self.tool_parser = config.tool_parser if self.tools.reads_calls else None
+        self.reasoning_parser = config.reasoning_parser
+        if self.tools.constraint is None:
+            return fields.params
+        if fields.params.constraint is not None:
+            raise FieldError("tool_choice", f"tool_choice {self.tools.choice.value} constrains the answer to a call "
+                                            f"and {fields.constraint_field} constrains it too; send one of them")
+        return replace(fields.params, constraint=self.tools.constraint)
+
+    def _reader(self) -> AnswerReader:
+        return AnswerReader(self.tool_parser, self.reasoning_parser)
 
     async def respond(self) -> Response:
         if self.echo and not self.prompt_text:  # a prompt of token ids echoes as its text
@@ -200,14 +221,19 @@ class _Generation:
         out = []
         for index, choice in enumerate(answered):
             text = (self.prompt_text if self.echo else "") + "".join(choice.text)
+            reason = _finish_reason(choice.final)
             if self.chat:
-                entry = {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
+                reader = self._reader()
+                reader.feed(text)
+                reader.finish()
+                entry = {"index": index, "message": reader.message(),
                          "logprobs": {"content": [e for part in choice.logprobs for e in part], "refusal": None}
                          if self.with_logprobs else None}
+                reason = reader.finish_reason(reason)
             else:
                 entry = {"index": index, "text": text,
                          "logprobs": _merge(choice.logprobs) if self.with_logprobs else None}
-            entry["finish_reason"] = _finish_reason(choice.final)
+            entry["finish_reason"] = reason
             out.append(entry)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": out, "usage": _usage(finals), "system_fingerprint": None}
@@ -228,6 +254,7 @@ class _Generation:
     async def _chunks(self, first, events) -> AsyncIterator[bytes]:
         offsets = [0] * self.n
         finals: dict[int, FinalEvent] = {}
+        readers = [self._reader() for _ in range(self.n)] if self.chat else []
         try:
             for index in range(self.n):
                 if self.chat:
@@ -239,7 +266,12 @@ class _Generation:
             while True:
                 if isinstance(event, FinalEvent):
                     finals[index] = event
-                    yield _sse(self._chunk({}, "", None, _finish_reason(event), index))
+                    reason = _finish_reason(event)
+                    if self.chat:
+                        for delta in readers[index].finish():
+                            yield _sse(self._chunk(delta, "", None, None, index))
+                        reason = readers[index].finish_reason(reason)
+                    yield _sse(self._chunk({}, "", None, reason, index))
                     if len(finals) == self.n:
                         if self.include_usage:
                             yield _sse({**self._chunk(None, "", None, None), "choices": [],
@@ -251,7 +283,14 @@ class _Generation:
                     if self.with_logprobs:
                         logprobs = ({"content": await self.logprobs.chat(event), "refusal": None} if self.chat
                                     else await self.logprobs.completion(event, offsets[index]))
-                    yield _sse(self._chunk({"content": event.text}, event.text, logprobs, None, index))
+                    if self.chat:
+                        # the answer's parts (reasoning, content, calls); text a
+                        # parser holds back still carries its logprobs
+                        deltas = readers[index].feed(event.text) or ([{}] if logprobs else [])
+                        for i, delta in enumerate(deltas):
+                            yield _sse(self._chunk(delta, "", logprobs if i == 0 else None, None, index))
+                    else:
+                        yield _sse(self._chunk(None, event.text, logprobs, None, index))
                     offsets[index] += len(event.text)
                 index, event = await anext(events)
         except StopAsyncIteration:

@@ -31,7 +31,7 @@ log = structlog.get_logger("modeld.http.openai")
 # abuse monitoring, which a self-hosted daemon does not do.
 IGNORED = {"user"}
 # Accepted only at the value that changes nothing; any other value is refused.
-_NEUTRAL = {"suffix": None, "tools": [], "tool_choice": "none"}
+_NEUTRAL = {"suffix": None}
 # OpenAI's error `type` by our kind; clients branch on the HTTP status, the
 # type is for people reading the body.
 _ERROR_TYPE = {

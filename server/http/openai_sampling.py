@@ -23,6 +23,7 @@ from modeld.server.http.common import json_type_name
 from modeld.server.http.openai_fields import (
     IGNORED, FieldError, check_fields, get_bool, get_field, get_int, get_number,
 )
+from modeld.server.http.openai_tools import chat_messages
 
 _SAMPLING_EXTENSIONS = {"top_k", "min_p", "ignore_eos", "priority", "speculative", "num_speculative_tokens",
                         "repetition_penalty", "min_tokens", "stop_token_ids", "skip_special_tokens",
@@ -33,12 +34,12 @@ _CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "g
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
            "logprobs", "frequency_penalty", "presence_penalty", "logit_bias", *_CONSTRAINT_FIELDS} \
     | IGNORED | _SAMPLING_EXTENSIONS
-_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
+_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                          "parallel_tool_calls"}
 _COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix"}
 _STRUCTURED_KEYS = {"json": "a JSON schema (object or JSON text)", "regex": "a regular expression",
                     "choice": "an array of strings", "grammar": "a Lark or GBNF grammar",
                     "json_object": "true"}
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _MAX_TOP_LOGPROBS = 20  # SamplingParams' bound
 
 
@@ -66,7 +67,7 @@ def generation_fields(body: dict, chat: bool) -> GenerationFields:
     stream = get_bool(body, "stream")
     include_usage = _stream_options(body, stream)
     if chat:
-        messages, prompt, token_ids = _messages(body), "", ()
+        messages, prompt, token_ids = chat_messages(body), "", ()
         with_logprobs, top = _chat_logprobs(body)
     else:
         messages = ()
@@ -185,44 +186,6 @@ def _sampling(body: dict, logprobs: int, constraint: Constraint | None) -> Sampl
             field, message = "max_completion_tokens", "max_completion_tokens" + message[len(field):]
         raise FieldError(field if field in body else None, message) from None
     return params
-
-
-def _content(index: int, content: object) -> str:
-    where = f"messages[{index}].content"
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
-                raise FieldError(f"{where}[{j}]", f"{where}[{j}] is a {kind or json_type_name(part)} part; this server "
-                                                  "takes text only ({'type': 'text', 'text': ...})")
-            if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
-                raise FieldError(f"{where}[{j}]", f"{where}[{j}] must be {{'type': 'text', 'text': <string>}}")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise FieldError(where, f"{where} must be a string or an array of text parts, got {json_type_name(content)}")
-
-
-def _messages(body: dict) -> tuple[ChatMessage, ...]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise FieldError("messages", "messages must be a non-empty array of {role, content} objects")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise FieldError(f"messages[{i}]", f"messages[{i}] must be an object, got {json_type_name(message)}")
-        extra = sorted(set(message) - {"role", "content"})
-        if extra:
-            raise FieldError(f"messages[{i}].{extra[0]}", f"messages[{i}].{extra[0]} is not supported (no tool "
-                                                          "calls or names); send role and content only")
-        role = message.get("role")
-        if role not in _ROLES:
-            raise FieldError(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(_ROLES)}, "
-                                                    f"got {json.dumps(role)[:40]}")
-        out.append(ChatMessage(_ROLES[role], _content(i, message.get("content"))))
-    return tuple(out)
 
 
 def _prompt(body: dict) -> tuple[str, tuple[int, ...]]:

@@ -275,7 +275,8 @@ WRONG = {
     "stop as a number": ("/v1/completions", {"stop": 5}, "stop"),
     "messages as a string": ("/v1/chat/completions", {"messages": "hi"}, "messages"),
     "message without role": ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role"),
-    "tool role": ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    "tool message without a call id": ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]},
+                                       "messages[0].tool_call_id"),
     "image content": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages[0].content[0]"),
     "model as a number": ("/v1/completions", {"model": 7}, "model"),
