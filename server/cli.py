@@ -175,12 +175,15 @@ def serve(args) -> int:
 
 def make_token(role: str) -> int:
     """The token on the first line (for the client: MODELD_TOKEN or
-    --token-file), the line for the daemon's token file on the second."""
+    --token-file), the line for the daemon's token file on the second. Its
+    comment is the SHA-256 the daemon compares (server/auth.py), which names
+    the token in notes and tickets without revealing it."""
+    import hashlib
     import secrets
 
     token = secrets.token_urlsafe(32)
     print(token)
-    print(f"{token} {role}")
+    print(f"{token} {role}  # sha256:{hashlib.sha256(token.encode()).hexdigest()}")
     return 0
 
 

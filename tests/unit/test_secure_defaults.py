@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import io
 import subprocess
 import sys
@@ -86,6 +87,7 @@ def test_token_lines_are_what_the_token_file_accepts(tmp_path):
     infer, infer_line = _token("infer")
     admin, admin_line = _token("admin")
     assert infer != admin and len(infer) >= 32
+    assert infer_line.endswith(f"# sha256:{hashlib.sha256(infer.encode()).hexdigest()}")
     path = tmp_path / "tokens"
     path.write_text(f"{infer_line}\n{admin_line}\n")
     table = load_token_file(path)
