@@ -136,6 +136,15 @@ def test_a_flood_of_expired_kserve_timeouts_leaves_the_node_s_breaker_closed(fle
             codes.append(exc.code())
     assert set(codes) <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OK}, set(codes)
     assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) >= 150  # 1 µs is spent before any batch runs
+    # the client's other mistakes say nothing about the node either
+    unknown, misshapen = _request(), _request()
+    unknown.model_name = "no-such-model"
+    misshapen.inputs[0].shape[:] = [1, 5]
+    for request, code in ((unknown, grpc.StatusCode.NOT_FOUND), (misshapen, grpc.StatusCode.INVALID_ARGUMENT)):
+        for _ in range(30):
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.ModelInfer(request, metadata=_md(FLOOD), timeout=60)
+            assert caught.value.code() == code
     assert _metric(gateway, "modeld_gateway_breaker_transitions_total", node=node.address) == before
     assert _metric(gateway, "modeld_gateway_breaker_state", node=node.address) == 0
     assert _sums(stub.ModelInfer(_request(), metadata=_md(FLOOD), timeout=60)) == [2.0] * 4
