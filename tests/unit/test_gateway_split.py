@@ -1,0 +1,48 @@
+"""The gateway's weighted traffic splits (server/gateway/split.py): a canary
+gets its share, a session keeps its target, bad tables are refused."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from modeld.gen import inference_pb2
+from modeld.server.gateway.split import SplitConfigError, parse_splits, retarget_infer
+
+
+def test_a_canary_gets_its_share_and_a_session_keeps_its_target():
+    split = parse_splits({"chat": {"chat-v1": 95, "chat-v2": 5}})
+    picks = [split.choose("chat", f"session-{i}") for i in range(20_000)]
+    share = picks.count("chat-v2") / len(picks)
+    assert 0.04 < share < 0.06, share
+    assert all(split.choose("chat", f"session-{i}") == picks[i] for i in range(0, 20_000, 97))
+    assert split.choose("other", "session-1") == "other"  # an unsplit model is itself
+
+
+def test_calls_without_a_session_are_drawn_by_weight():
+    split = parse_splits({"m": {"a": 1, "b": 3}})
+    split._rng = random.Random(7)
+    picks = [split.choose("m") for _ in range(8_000)]
+    assert 0.72 < picks.count("b") / len(picks) < 0.78
+
+
+@pytest.mark.parametrize("raw, reason", [
+    ({"chat": {}}, "1 to 16 targets"),
+    ({"chat": {"a": -1}}, "must be a number >= 0"),
+    ({"chat": {"a": 0, "b": 0}}, "add up to 0"),
+    ({"../x": {"a": 1}}, "not a model name"),
+    ({"chat": {"a/b": 1}}, "not a model name"),
+    ({"chat": {"a": True}}, "must be a number"),
+])
+def test_bad_split_tables_are_refused(raw, reason):
+    with pytest.raises(SplitConfigError, match=reason):
+        parse_splits(raw)
+
+
+def test_a_request_is_retargeted_with_everything_else_kept():
+    request = inference_pb2.ModelInferRequest(model_name="chat", id="r1")
+    request.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+    request.raw_input_contents.append(b"\0" * 16)
+    moved = inference_pb2.ModelInferRequest.FromString(retarget_infer(request.SerializeToString(), "chat-v2"))
+    assert moved.model_name == "chat-v2" and moved.id == "r1" and moved.raw_input_contents == [b"\0" * 16]
