@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from modeld.backends.errors import InvalidArgument, Unimplemented
-from modeld.backends.generation.params import ChatMessage
+from modeld.backends.generation.params import ChatMessage, ToolSpec
 from modeld.backends.generation.interface import StepPlan
 
 
@@ -39,7 +39,9 @@ class StepExecutor(ABC):
     def is_end_of_generation(self, token_id: int) -> bool: ...
 
     @abstractmethod
-    def apply_chat_template(self, messages: tuple[ChatMessage, ...]) -> str: ...
+    def apply_chat_template(self, messages: tuple[ChatMessage, ...], tools: tuple[ToolSpec, ...] = ()) -> str:
+        """The prompt the model's chat template makes of these messages and
+        function definitions (backends/generation/chat_template.py)."""
 
     def special_token_bytes(self, token_id: int) -> bytes:
         """A token's bytes with special tokens spelled out (`<|im_end|>`), for

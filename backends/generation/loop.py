@@ -138,7 +138,8 @@ class GenerationLoop:
         if request.token_ids:
             return self.runner.check_token_ids(request.token_ids)
         if request.messages:
-            return self.runner.tokenize(self.runner.apply_chat_template(request.messages), add_special=False)
+            return self.runner.tokenize(self.runner.apply_chat_template(request.messages, request.tools),
+                                        add_special=False)
         return self.runner.tokenize(request.prompt)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinalEvent]:

@@ -245,6 +245,9 @@ def _refuse_unsupported(request: GenerateRequest) -> None:
     """What og's engine cannot do fails closed here, naming it (the engine's
     capability check refuses speculation and logprobs before this)."""
     params = request.params
+    if request.tools or any(m.tool_calls for m in request.messages):
+        raise Unimplemented("backend 'onnx-genai' lacks tool calling: onnxruntime-genai's chat template takes "
+                            "each message's role and content only; serve the model with llamacpp or torch for tools")
     if params.speculative is not SpeculativeMode.NONE:
         raise Unimplemented("backend 'onnx-genai' lacks speculative_decoding: onnxruntime-genai drafts only for "
                             "models built with an MTP head or a block drafter")

@@ -56,7 +56,7 @@ class CountingRunner(StepExecutor):
     def is_end_of_generation(self, token_id):
         return False
 
-    def apply_chat_template(self, messages):
+    def apply_chat_template(self, messages, tools=()):
         raise NotImplementedError
 
 
