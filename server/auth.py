@@ -27,6 +27,7 @@ import hashlib
 import hmac
 import json
 import re
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,8 @@ from pathlib import Path
 import grpc
 import structlog
 
-from modeld.server.tenants import MAX_MODELS, ModelNotAllowed, QuotaExceeded, Tenant, TenantLimits, Tenants, set_current
+from modeld.server.tenants import (MAX_MODELS, ModelNotAllowed, Tenant, TenantLimits, TenantMetrics, Tenants,
+                                   set_current)
 
 log = structlog.get_logger("modeld.auth")
 
@@ -203,7 +205,7 @@ def _attributes(where: str, words: list[str]) -> dict[str, object]:
     return found
 
 
-def _tenant_limits(attrs: list[tuple[str, dict]], source: str) -> dict[str, TenantLimits]:
+def _tenant_limits(attrs: list[tuple[str, dict]]) -> dict[str, TenantLimits]:
     """One TenantLimits per tenant; lines of one tenant that both set a key must agree."""
     merged: dict[str, dict[str, tuple[object, str]]] = {}
     for where, found in attrs:
@@ -271,7 +273,7 @@ def parse_tokens(text: str, source: str = "the token file") -> TokenTable:
     if not entries:
         raise TokenFileError(f"{source} holds no tokens, so every call would be refused; "
                              "add lines of '<token> <role>'")
-    return TokenTable(tuple(entries), tuple(tenants), _tenant_limits(attrs, source),
+    return TokenTable(tuple(entries), tuple(tenants), _tenant_limits(attrs),
                       fleet[0] if fleet is not None else None)
 
 
@@ -308,12 +310,12 @@ class Authenticator:
     """The daemon's (or the gateway's) current tokens and tenants; `reload`
     swaps them in on SIGHUP, keeping each tenant's buckets."""
 
-    def __init__(self, path: Path, registry=None, clock=None) -> None:
-        from modeld.server.tenants import TenantMetrics
-
+    def __init__(self, path: Path, registry=None, clock=time.monotonic) -> None:
+        """`registry`: where the per-tenant metrics go; `clock`: the
+        buckets' time (a test steps it)."""
         self.path = Path(path)
         self.table = load_token_file(self.path)
-        self.tenants = Tenants(TenantMetrics(registry), **({"clock": clock} if clock is not None else {}))
+        self.tenants = Tenants(TenantMetrics(registry), clock)
         self.tenants.update(self.table.limits)
 
     def reload(self) -> bool:
