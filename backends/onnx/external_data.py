@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 from modeld.backends.artifact_paths import ArtifactPathError, resolve_inside
+from modeld.backends.errors import LoadFailed
 
 _EXTERNAL = 1  # TensorProto.EXTERNAL
 
@@ -23,15 +24,15 @@ _EXTERNAL = 1  # TensorProto.EXTERNAL
 def check_model_file(model: str, folder: Path, path: Path) -> list[Path]:
     """Read the graph at `path` (without its external data) and return the
     external data files it names, each inside `folder`; raises
-    ArtifactPathError for one outside, InvalidArgument for a file that is
-    not an ONNX model."""
+    ArtifactPathError for one outside (the model's fault, whatever backend
+    tries it), LoadFailed for a file that is not an ONNX model (so the
+    engine tries the next backend, as the runtime's own refusal would)."""
     import onnx
 
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # onnx raises DecodeError and friends
-        raise ArtifactPathError(f"model {model!r}: {path.name} cannot be read as an ONNX model "
-                                f"({type(exc).__name__})") from None
+        raise LoadFailed(f"cannot read {path.name!r} as an ONNX model ({type(exc).__name__})") from None
     return external_files(model, folder, proto)
 
 

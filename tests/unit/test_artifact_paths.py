@@ -14,6 +14,7 @@ from onnx import TensorProto, helper
 
 from daemon import MODELS
 from modeld.backends.artifact_paths import ArtifactPathError
+from modeld.backends.errors import LoadFailed
 from modeld.backends.onnx.external_data import check_model_file
 from modeld.backends.onnx_genai.config_check import GenaiConfigRefused, check_genai_config
 
@@ -42,9 +43,9 @@ def test_external_data_is_found_in_subgraphs_and_attributes_too(tmp_path):
     assert check_model_file("m", tmp_path, tmp_path / "model.onnx") == [(tmp_path / "weights" / "c.bin").resolve()]
 
 
-def test_a_file_that_is_no_graph_is_refused_by_name(tmp_path):
+def test_a_file_that_is_no_graph_fails_the_load_by_name(tmp_path):
     (tmp_path / "model.onnx").write_bytes(b"\x08\x01junk" * 10)
-    with pytest.raises(ArtifactPathError, match="model.onnx cannot be read as an ONNX model") as err:
+    with pytest.raises(LoadFailed, match="cannot read 'model.onnx' as an ONNX model") as err:
         check_model_file("m", tmp_path, tmp_path / "model.onnx")
     assert str(tmp_path) not in str(err.value)
 
