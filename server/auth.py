@@ -531,7 +531,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         authorization = _metadata_value(metadata, "authorization")
         verdict = self.authenticator.authorize(authorization, needed, method.rsplit("/", 1)[-1])
         if isinstance(verdict, Denied):
-            log.info("call_refused", method=method, reason=verdict.kind.value)
+            if verdict.kind is not Refusal.RESOURCE_EXHAUSTED:  # quota refusals: the tenant's own, rate-limited line
+                log.info("call_refused", method=method, reason=verdict.kind.value)
             return _refusing_handler(handler, _GRPC_CODES[verdict.kind], verdict.message, _trailers(verdict))
         if not verdict.limited:
             return handler
@@ -623,7 +624,8 @@ class HttpAuthMiddleware:
                 encoding = value.decode("latin-1").strip().lower()
         verdict = self.authenticator.authorize(authorization, needed, f"{scope.get('method', 'GET')} {path}")
         if isinstance(verdict, Denied):
-            log.info("call_refused", path=path, reason=verdict.kind.value)
+            if verdict.kind is not Refusal.RESOURCE_EXHAUSTED:
+                log.info("call_refused", path=path, reason=verdict.kind.value)
             if verdict.kind is Refusal.UNAUTHENTICATED:
                 status, headers = 401, {"www-authenticate": 'Bearer realm="modeld"'}
             elif verdict.kind is Refusal.RESOURCE_EXHAUSTED:

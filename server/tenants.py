@@ -47,6 +47,7 @@ log = structlog.get_logger("modeld.tenants")
 Clock = Callable[[], float]
 UNNAMED = ""  # a token line without tenant=: no limits, today's rights
 MAX_MODELS = 256  # models one tenant may be allowed; a longer list is a mistake, not a policy
+REFUSAL_LOG_INTERVAL_S = 10.0
 
 
 class QuotaExceeded(ResourceExhausted):
@@ -162,6 +163,7 @@ class Tenant:
                  clock: Clock = time.monotonic) -> None:
         self.name, self.metrics, self._clock = name, metrics, clock
         self.streams = 0
+        self._logged: dict[str, tuple[float, int]] = {}  # reason: (last logged at, refusals since)
         self.calls: TokenBucket | None = None
         self.tokens: TokenBucket | None = None
         self.limits = TenantLimits()
@@ -196,8 +198,20 @@ class Tenant:
     def _refuse(self, reason: str, message: str, retry_after_s: float | None = None) -> QuotaExceeded:
         if self.metrics is not None:
             self.metrics.refusals.labels(self.label, reason).inc()
-        log.info("tenant_refused", tenant=self.label, reason=reason, retry_after_s=retry_after_s)
+        self._log_refusal(reason, retry_after_s=retry_after_s)
         return QuotaExceeded(reason, message, retry_after_s)
+
+    def _log_refusal(self, reason: str, **fields) -> None:
+        """One line per tenant and reason every REFUSAL_LOG_INTERVAL_S, with
+        how many it stands for: a tenant far over its quota must not turn
+        each refusal into a log line (the metrics count every one)."""
+        now = self._clock()
+        last, suppressed = self._logged.get(reason, (None, 0))
+        if last is not None and now - last < REFUSAL_LOG_INTERVAL_S:
+            self._logged[reason] = (last, suppressed + 1)
+            return
+        self._logged[reason] = (now, 0)
+        log.info("tenant_refused", tenant=self.label, reason=reason, not_logged_since=suppressed, **fields)
 
     def admit(self) -> QuotaExceeded | None:
         """A new call: None when the tenant's rate and token budget allow it
@@ -223,7 +237,7 @@ class Tenant:
         if allowed is not None and model and model not in allowed:
             if self.metrics is not None:
                 self.metrics.refusals.labels(self.label, "model").inc()
-            log.info("tenant_refused", tenant=self.label, reason="model", model=model)
+            self._log_refusal("model", model=model)
             raise ModelNotAllowed(f"tenant {self.label!r} may not use model {model!r}; "
                                   "its token allows: " + ", ".join(sorted(allowed)))
 
@@ -234,7 +248,7 @@ class Tenant:
             return None
         if self.metrics is not None:
             self.metrics.refusals.labels(self.label, "update").inc()
-        log.info("tenant_refused", tenant=self.label, reason="update")
+        self._log_refusal("update")
         return (f"tenant {self.label!r} may not send update traffic (x-modeld-request-type: update); "
                 "send it as inference, or ask the operator for update=yes on its token")
 
