@@ -90,7 +90,7 @@ def read_graph(path: Path, model: str = "") -> GraphInfo:
     importer would read it wherever it is."""
     import onnx
 
-    from modeld.backends.onnx.external_data import external_files
+    from modeld.backends.onnx.external_data import check_model_file
 
     proto = onnx.load(str(path), load_external_data=False)
     initializers = {t.name for t in proto.graph.initializer}
@@ -101,7 +101,7 @@ def read_graph(path: Path, model: str = "") -> GraphInfo:
         symbols=_symbols(inputs),
         foreign_ops=tuple(sorted({f"{n.domain}.{n.op_type}" for n in _nodes(proto.graph)
                                   if n.domain not in STANDARD_DOMAINS})),
-        files=(path, *[f for f in external_files(model, path.parent, proto) if f.is_file()]),
+        files=(path, *[f for f in check_model_file(model, path.parent, path) if f.is_file()]),
     )
 
 

@@ -6,14 +6,13 @@ file in `external_data["location"]`, relative to the graph's folder. An
 older onnxruntime (the `>=1.18` floor) or IREE's importer would read any
 file the daemon can and hand it back through an Identity output, so every
 location of every tensor (initializers, sparse initializers, Constant and
-other tensor attributes, in subgraphs and functions too) is resolved here
+other tensor attributes, in subgraphs, functions and training graphs too) is resolved here
 with artifact_paths and refused when it leaves the folder.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
 
 from modeld.backends.artifact_paths import ArtifactPathError, resolve_inside
 from modeld.backends.errors import LoadFailed
@@ -52,11 +51,12 @@ def _resolve(model: str, folder: Path, name: str, location: str | None) -> Path:
 # The messages that can hold a TensorProto, as field number -> the message
 # it holds (onnx.proto3). TENSOR is read for its name, external_data and
 # data_location; every other field of every message is skipped.
-_MODEL, _GRAPH, _NODE, _ATTRIBUTE, _SPARSE, _FUNCTION, _TENSOR = range(7)
+_MODEL, _GRAPH, _NODE, _ATTRIBUTE, _SPARSE, _FUNCTION, _TRAINING, _TENSOR = range(8)
 _CHILDREN = {
-    _MODEL: {7: _GRAPH, 25: _FUNCTION},
+    _MODEL: {7: _GRAPH, 20: _TRAINING, 25: _FUNCTION},
+    _TRAINING: {1: _GRAPH, 2: _GRAPH},
     _GRAPH: {1: _NODE, 5: _TENSOR, 15: _SPARSE},
-    _FUNCTION: {7: _NODE},
+    _FUNCTION: {7: _NODE, 11: _ATTRIBUTE},
     _NODE: {5: _ATTRIBUTE},
     _ATTRIBUTE: {5: _TENSOR, 6: _GRAPH, 10: _TENSOR, 11: _GRAPH, 22: _SPARSE, 23: _SPARSE},
     _SPARSE: {1: _TENSOR, 2: _TENSOR},
@@ -158,55 +158,3 @@ def _varint(data, at: int) -> tuple[int, int]:
         if byte < 0x80:
             return value, at
     raise ValueError("a number longer than 64 bits")
-
-
-def external_files(model: str, folder: Path, proto) -> list[Path]:
-    """The external data files a ModelProto names, resolved inside `folder`."""
-    files: dict[Path, None] = {}
-    for tensor in tensors(proto):
-        if tensor.data_location != _EXTERNAL and not len(tensor.external_data):
-            continue
-        location = next((e.value for e in tensor.external_data if e.key == "location"), None)
-        field = f"tensor {tensor.name!r} external data location"
-        if location is None:
-            raise ArtifactPathError(f"model {model!r}: tensor {tensor.name!r} keeps its data outside the graph "
-                                    "but names no location")
-        files[resolve_inside(model, folder, location, field)] = None
-    return list(files)
-
-
-def tensors(proto) -> Iterator:
-    """Every TensorProto of a ModelProto that can hold data."""
-    yield from _graph_tensors(proto.graph)
-    for function in proto.functions:
-        for node in function.node:
-            yield from _node_tensors(node)
-
-
-def _graph_tensors(graph) -> Iterator:
-    yield from graph.initializer
-    for sparse in graph.sparse_initializer:
-        yield sparse.values
-        yield sparse.indices
-    for node in graph.node:
-        yield from _node_tensors(node)
-
-
-def _node_tensors(node) -> Iterator:
-    for attr in node.attribute:
-        if attr.HasField("t"):
-            yield attr.t
-        yield from attr.tensors
-        if attr.HasField("sparse_tensor"):
-            yield attr.sparse_tensor.values
-            yield attr.sparse_tensor.indices
-        for sparse in attr.sparse_tensors:
-            yield sparse.values
-            yield sparse.indices
-        if attr.HasField("g"):
-            yield from _graph_tensors(attr.g)
-        for sub in attr.graphs:
-            yield from _graph_tensors(sub)
-
-
-__all__ = ["ArtifactPathError", "check_model_file", "external_files", "tensors"]

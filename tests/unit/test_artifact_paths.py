@@ -115,3 +115,18 @@ def test_a_config_nested_past_reason_is_refused(genai):
         table = table.setdefault("x", {})
     with pytest.raises(GenaiConfigRefused, match="nests deeper"):
         check_genai_config("m", GENAI_FOLDER, config, frozenset())
+
+
+def test_the_scan_finds_what_onnx_itself_finds_in_a_function_and_training_graph(tmp_path):
+    from onnx import FunctionProto, TrainingInfoProto
+
+    model = helper.make_model(helper.make_graph([], "g", [], []), opset_imports=[helper.make_opsetid("", 17)])
+    function = FunctionProto(name="f", domain="d")
+    function.node.append(helper.make_node("Constant", [], ["y"], value=_external("in_function", "../f.bin")))
+    model.functions.append(function)
+    training = TrainingInfoProto()
+    training.initialization.CopyFrom(helper.make_graph([], "init", [], [], initializer=[_external("t", "t.bin")]))
+    model.training_info.append(training)
+    (tmp_path / "model.onnx").write_bytes(model.SerializeToString())
+    with pytest.raises(ArtifactPathError, match="tensor 'in_function' external data location '../f.bin'"):
+        check_model_file("m", tmp_path, tmp_path / "model.onnx")
