@@ -12,7 +12,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from modeld.backends.errors import Cancelled, Unavailable
+from modeld.backends.errors import Cancelled, InvalidArgument, Unavailable
 from modeld.backends.generation.params import FinalEvent, FinishReason, GenerateRequest, TokenEvent
 from modeld.server.dataplane import DataPlane
 from modeld.server.http.common import unless_client_leaves
@@ -93,17 +93,25 @@ def _finish_reason(final: FinalEvent) -> str:
     return reason
 
 
-async def _events(plane: DataPlane, request: GenerateRequest,
-                  n: int) -> AsyncIterator[tuple[int, TokenEvent | FinalEvent]]:
+async def _events(plane: DataPlane, request: GenerateRequest, n: int,
+                  constraint_field: str | None) -> AsyncIterator[tuple[int, TokenEvent | FinalEvent]]:
     """The engine's events of n choices, tagged with the choice, without
     the final event of a failure (the engine raises that failure right
-    after it)."""
+    after it). A constraint the engine cannot compile is refused before
+    any token, named by the field the client sent it in."""
     events = plane.generate_choices(request, n)
+    started = False
     try:
-        async for index, event in events:
-            if isinstance(event, FinalEvent) and event.error:
-                continue
-            yield index, event
+        try:
+            async for index, event in events:
+                if isinstance(event, FinalEvent) and event.error:
+                    continue
+                started = True
+                yield index, event
+        except InvalidArgument as exc:
+            if started or constraint_field is None or " constraint " not in f" {exc} ":
+                raise
+            raise FieldError(constraint_field, f"{constraint_field}: {exc}") from None
     finally:
         # whoever stops early (a client that left, an error) frees the sequences now
         await events.aclose()
@@ -149,6 +157,7 @@ class _Generation:
         self.stream, self.include_usage, self.with_logprobs = fields.stream, fields.include_usage, fields.with_logprobs
         self.n, self.best_of, self.echo = fields.n, fields.best_of, fields.echo
         self.prompt_text = fields.prompt
+        self.constraint_field = fields.constraint_field
         self.request_id = current_request_id()
         self.tools, self.tool_parser, self.reasoning_parser = ToolFields(), None, None
         params = self._read_tools(plane, body, fields) if chat else fields.params
@@ -180,7 +189,7 @@ class _Generation:
     async def respond(self) -> Response:
         if self.echo and not self.prompt_text:  # a prompt of token ids echoes as its text
             self.prompt_text = await self.plane.detokenize(self.model, list(self.request.token_ids))
-        events = _events(self.plane, self.request, self.best_of)
+        events = _events(self.plane, self.request, self.best_of, self.constraint_field)
         if not self.stream:
             try:
                 return JSONResponse(await unless_client_leaves(self.http, self._whole(events)))
