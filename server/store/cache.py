@@ -111,6 +111,18 @@ def safe_path(raw: object, where: str) -> str:
     return raw
 
 
+PULL_NICE = 10
+
+
+def lower_priority() -> None:
+    """Run this thread (a pull's reader or writer) at a lower CPU priority,
+    so hashing a large download never starves the models serving."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PULL_NICE)  # Linux: per thread
+    except (AttributeError, OSError):
+        pass  # elsewhere, or not allowed: at the daemon's own priority
+
+
 class _Digests:
     def __init__(self, md5: bool) -> None:
         self.sha256 = hashlib.sha256()
@@ -154,6 +166,7 @@ class _Writer:
             raise self._error
 
     def _run(self) -> None:
+        lower_priority()
         while (block := self._queue.get()) is not None:
             if self._error is not None:
                 continue  # drain: the caller sees the error at its next put or at close
@@ -266,7 +279,7 @@ class BlobCache:
                 if f not in missing:
                     digests[f.path] = f.digest
             with ThreadPoolExecutor(max_workers=max(1, min(self.parallel, len(missing))),
-                                    thread_name_prefix="modeld-pull") as pool:
+                                    thread_name_prefix="modeld-pull", initializer=lower_priority) as pool:
                 for f, digest in zip(missing, pool.map(lambda f: self._fetch(listing, f, progress), missing)):
                     digests[f.path] = digest
             entry = Entry(entry_id, listing.uri, listing.identity, {f.path: digests[f.path] for f in listing.files},

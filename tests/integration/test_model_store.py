@@ -44,6 +44,23 @@ def model_folder(path: Path, weights: list[float], toml: bool = True) -> Path:
 
 
 def modeld(*args: str) -> subprocess.CompletedProcess:
+    """The `modeld` command line, in this process (a subprocess costs seconds
+    of interpreter start on a busy machine); `modeld_process` runs it apart."""
+    import contextlib
+    import io
+
+    from modeld.server.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's refusals
+            code = exc.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def modeld_process(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "modeld.server.cli", *args], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
 
@@ -239,9 +256,47 @@ def test_a_model_being_pulled_reports_pulling_with_its_bytes(served):
 
 def test_modeld_pull_loads_a_model_into_a_running_daemon(served):
     daemon, client, registry, _, _ = served
-    done = modeld("pull", registry.uri("models/scale", "v1"), "--name", "by-cli", "--address", daemon.address)
+    done = modeld_process("pull", registry.uri("models/scale", "v1"), "--name", "by-cli", "--address",
+                          daemon.address)
     assert done.returncode == 0, done.stderr
     assert "loaded it as by-cli" in done.stdout
     assert infer(client, "by-cli").tolist() == [[1, 2, 3, 4]]
     refused = modeld("pull", "gs://bucket/model", "--address", daemon.address)
     assert refused.returncode != 0 and "'gs'" in refused.stderr
+
+
+def test_the_disk_cache_evicts_unused_models_and_refuses_when_all_are_in_use(stores):
+    registry, _, _, root = stores
+    base = root / "tier"
+    uris = {}
+    for name, value in (("tier-a", 1.0), ("tier-b", 2.0)):
+        folder = model_folder(base / name, [value] * 4, toml=False)
+        (folder / "padding.bin").write_bytes(bytes([int(value)]) * 4000)  # 4 KB each, no blob shared
+        uris[name] = registry.uri(f"models/{name}", "v1")
+        assert modeld("push", str(folder), uris[name], "--plain-http").returncode == 0
+    settings = base / "modeld.toml"
+    settings.write_text(f'store_cache_dir = "{base / "cache"}"\nstore_cache_budget = 6000\n'
+                        f'store_oci_plain_http = ["{registry.host}"]\n')
+    (base / "empty").mkdir()
+    daemon = start_daemon("--config", str(settings), repository=base / "empty")
+    client = tc.InferenceServerClient(daemon.address)
+    try:
+        client.load_model("tier-a", config=json.dumps({"source": uris["tier-a"]}))
+        with pytest.raises(InferenceServerException) as full:  # tier-a is served: its files stay
+            client.load_model("tier-b", config=json.dumps({"source": uris["tier-b"]}))
+        assert full.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        assert "store_cache_budget" in full.value.message()
+        assert infer(client, "tier-a").tolist() == [[1, 1, 1, 1]]
+        client.unload_model("tier-a")  # out of memory, still on disk, now the least recently used
+        client.load_model("tier-b", config=json.dumps({"source": uris["tier-b"]}))
+        assert infer(client, "tier-b").tolist() == [[2, 2, 2, 2]]
+        entries = [json.loads(p.read_text())["uri"] for p in (base / "cache" / "models").glob("*.json")]
+        assert entries == [uris["tier-b"]]  # tier-a left the disk for it
+        client.unload_model("tier-b")
+        client.load_model("tier-a", config=json.dumps({"source": uris["tier-a"]}))  # pulled again
+        assert infer(client, "tier-a").tolist() == [[1, 1, 1, 1]]
+        metrics = httpx.get(f"http://127.0.0.1:{daemon.metrics_port}/metrics").text
+        assert 'modeld_store_pulls_total{outcome="pulled",scheme="oci"} 3.0' in metrics
+    finally:
+        client.close()
+        daemon.stop()
