@@ -286,7 +286,9 @@ def _response_format(fmt: object) -> Constraint | None:
     if extra:
         raise FieldError("response_format", f"response_format.{extra[0]} is not supported; send type and, for "
                                             "json_schema, json_schema")
-    if kind == "text" and len(fmt) == 1:
+    if kind == "text":
+        if len(fmt) > 1:
+            raise FieldError("response_format", "response_format {'type': 'text'} takes no other keys")
         return None
     if kind == "json_object":
         # llama-server takes a schema beside json_object
