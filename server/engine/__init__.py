@@ -57,8 +57,9 @@ class Engine:
         self.lifecycle = ModelLifecycle(repository, registry, self.models, self.accounting, self.health, workers,
                                         metrics)
         # the disk cache never evicts a model the engine serves or is loading
-        repository.store.in_use = lambda: [*(s.source.model_dir for s in self.models.served.values()),
-                                           *self.models.pulled_dirs.values()]
+        # (asked from a pull's thread: list() copies each dict in one step under the GIL)
+        repository.store.in_use = lambda: ([s.source.model_dir for s in list(self.models.served.values())]
+                                           + list(self.models.pulled_dirs.values()))
         self.failover = Failover(self.lifecycle, self.health, metrics)
         self.dispatch = Dispatcher(self.lifecycle, self.failover, metrics, lazy_load, max_streams)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from modeld.backends.base import Backend, GenerativeModel, InWorkerProcess, LoadedModel, RemoteHealth
@@ -75,7 +76,7 @@ class ModelTable:
         self.unloading: set[str] = set()
         self.failures: dict[str, str] = {}  # the reason the last load failed
         self.pulling: dict[str, tuple[str, Progress]] = {}  # store models being fetched: URI and bytes
-        self.pulled_dirs: dict[str, object] = {}  # store models pulled and loading: their cache folders
+        self.pulled_dirs: dict[str, Path] = {}  # store models pulled and loading: their cache folders
         self._stats: dict[str, ModelStats] = {}
         self._listeners: list[StateListener] = []
 

@@ -274,13 +274,14 @@ class BlobCache:
         progress.total = sum(f.size or 0 for f in listing.files)
         progress.done = progress.total - need
         digests: dict[str, str] = {}
+        pins: list[str] = []  # files without a listed digest, pinned as they land in blobs/
         try:
             for f in listing.files:
                 if f not in missing:
                     digests[f.path] = f.digest
             with ThreadPoolExecutor(max_workers=max(1, min(self.parallel, len(missing))),
                                     thread_name_prefix="modeld-pull", initializer=lower_priority) as pool:
-                for f, digest in zip(missing, pool.map(lambda f: self._fetch(listing, f, progress), missing)):
+                for f, digest in zip(missing, pool.map(lambda f: self._fetch(listing, f, progress, pins), missing)):
                     digests[f.path] = digest
             entry = Entry(entry_id, listing.uri, listing.identity, {f.path: digests[f.path] for f in listing.files},
                           dict(listing.hints), time.time())
@@ -289,13 +290,13 @@ class BlobCache:
             with self._lock:
                 self._reserved -= need
                 self._pulling_ids.discard(entry_id)
-                for f in listing.files:
-                    if f.digest:
-                        left = self._pinned.get(f.digest, 1) - 1
+                for digest in [f.digest for f in listing.files if f.digest] + pins:
+                    if digest:
+                        left = self._pinned.get(digest, 1) - 1
                         if left:
-                            self._pinned[f.digest] = left
+                            self._pinned[digest] = left
                         else:
-                            self._pinned.pop(f.digest, None)
+                            self._pinned.pop(digest, None)
         return self.folder(entry), entry
 
     def _materialise(self, entry: Entry) -> None:
@@ -307,6 +308,8 @@ class BlobCache:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 try:
                     os.link(self._blob(digest), target)
+                except FileNotFoundError:
+                    raise
                 except OSError:  # a file system without hard links: the blob may still be named
                     os.symlink(self._blob(digest), target)
             with self._lock:
@@ -320,7 +323,7 @@ class BlobCache:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def _fetch(self, listing: Listing, f: RemoteFile, progress: Progress) -> str:
+    def _fetch(self, listing: Listing, f: RemoteFile, progress: Progress, pins: list[str]) -> str:
         """Download one file into blobs/, checked; returns its digest."""
         if f.digest:
             with self._lock:
@@ -329,14 +332,15 @@ class BlobCache:
                 if self._blob(f.digest).is_file():
                     progress.done += f.size or 0
                     return f.digest
-                return self._download(listing, f, progress, f.digest.removeprefix("sha256:"))
+                return self._download(listing, f, progress, f.digest.removeprefix("sha256:"), pins)
         part_name = hashlib.sha256(f"{listing.identity}\0{f.path}".encode()).hexdigest()
         with self._lock:
             lock = self._blob_locks.setdefault(part_name, threading.Lock())
         with lock:
-            return self._download(listing, f, progress, part_name)
+            return self._download(listing, f, progress, part_name, pins)
 
-    def _download(self, listing: Listing, f: RemoteFile, progress: Progress, part_name: str) -> str:
+    def _download(self, listing: Listing, f: RemoteFile, progress: Progress, part_name: str,
+                  pins: list[str]) -> str:
         part = self.root / "partial" / f"{part_name}.part"
         digests = _Digests(f.check_md5 is not None)
         offset = 0
@@ -385,6 +389,9 @@ class BlobCache:
                                  f"{actual}); the download was discarded")
         with self._lock:
             os.replace(part, self._blob(actual))
+            if not f.digest:  # named by no entry until this pull's folder is made: kept from the collector
+                self._pinned[actual] = self._pinned.get(actual, 0) + 1
+                pins.append(actual)
         return actual
 
     # -- room --------------------------------------------------------------------
@@ -392,6 +399,10 @@ class BlobCache:
     def _make_room(self, need: int, uri: str) -> None:
         """Evict unused models, least recently used first, until `need` more
         bytes fit the budget; RESOURCE_EXHAUSTED when they cannot."""
+        if need > self.budget:
+            raise ResourceExhausted(
+                f"{uri} needs {format_size(need)} on disk, more than the model store's whole cache budget "
+                f"store_cache_budget ({format_size(self.budget)}); raise store_cache_budget")
         used = self.used_bytes()
         if used + self._reserved + need <= self.budget:
             return

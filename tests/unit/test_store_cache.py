@@ -361,3 +361,11 @@ def test_a_store_answering_500_is_unavailable_and_a_cached_pull_serves(tmp_path,
         assert store.pull_sync("hf://org/m").folder == first.folder  # the store is down: what the cache has
     finally:
         hub.stop()
+
+
+def test_a_model_larger_than_the_whole_budget_evicts_nothing(tmp_path):
+    cache = BlobCache(tmp_path, budget=1000)
+    folder, _ = cache.pull(listing("a", {"model.onnx": b"a" * 600})[0])
+    with pytest.raises(ResourceExhausted, match="more than the model store's whole cache budget"):
+        cache.pull(listing("huge", {"model.onnx": b"h" * 1001})[0])
+    assert folder.exists()
