@@ -74,7 +74,9 @@ def _grammar(constraint: Constraint) -> str:
             schema = {} if schema else {"not": {}}
         return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema))
     if kind is ConstraintKind.REGEX:
-        return llg.LLMatcher.grammar_from_regex(spec)
+        # \d as [0-9]: Rust's Unicode \d lets a small model fill a phone number with
+        # segmented-display digits; JSON schema patterns get the same ASCII reading
+        return llg.LLMatcher.grammar_from_lark("start: /" + llg.regex_to_lark(spec, "d") + "/")
     if kind is ConstraintKind.CHOICE:
         try:
             choices = json.loads(spec)
