@@ -54,7 +54,8 @@ test: models node registry
 # the CNCF distribution registry (Debian's docker-registry) the model store's
 # tests push to and pull from; a no-op where it is installed (CI runs as root)
 registry:
-	@command -v docker-registry >/dev/null || { apt-get update -qq && apt-get install -y -qq docker-registry apache2-utils; }
+	@{ command -v docker-registry && command -v htpasswd; } >/dev/null || \
+		{ apt-get update -qq && apt-get install -y -qq docker-registry apache2-utils; }
 
 # vLLM (CPU build) in its own environment, and the HF-format SmolLM2 it serves;
 # both are built once and kept (the script and the converter are idempotent;
