@@ -157,6 +157,8 @@ class ModelConfig:
     # `source = "oci://..."` (or s3://, hf://): the model's files come from a
     # store, pulled into the daemon's disk cache on first load
     source: str = ""
+    # more names the model answers to (vLLM's --served-model-name); its own name stays
+    served_names: tuple[str, ...] = ()
     # the daemon's settings on what the model's files may reach; stamped by
     # the engine at load, never read from a config (load_policy.py)
     policy: LoadPolicy = LoadPolicy()
@@ -205,7 +207,7 @@ def config_from_json(name: str, text: str) -> ModelConfig:
 
 _KNOWN_KEYS = {
     "format", "backends", "artifact", "batching", "memory_estimate", "warmup",
-    "pinned", "lazy_load", "inputs", "outputs", "text", "name", "kind", "rerank", "limits", "isolation", "source",
+    "pinned", "lazy_load", "inputs", "outputs", "text", "name", "kind", "rerank", "limits", "isolation", "source", "served_names",
     "embedding", "chat_template", "tool_parser", "reasoning_parser", *OPTIONS_BY_BACKEND,
 }
 
@@ -251,11 +253,26 @@ def config_from_dict(name: str, raw: dict[str, Any]) -> ModelConfig:
         matryoshka_dimensions=_matryoshka(name, reader.table("embedding")),
         isolation=_isolation(reader),
         source=_source(reader),
+        served_names=_served_names(reader),
         chat_template=_safe_relative(name, reader.str("chat_template", ""), "chat_template"),
         tool_parser=reader.enum("tool_parser", ToolParser, ToolParser.HERMES),
         reasoning_parser=(reader.enum("reasoning_parser", ReasoningParser, ReasoningParser.THINK)
                           if "reasoning_parser" in raw else None),
     )
+
+
+MAX_SERVED_NAMES = 16
+
+
+def _served_names(reader: _Reader) -> tuple[str, ...]:
+    names = reader.str_list("served_names")
+    if len(names) > MAX_SERVED_NAMES or len(set(names)) != len(names):
+        raise reader._fail("served_names", f"at most {MAX_SERVED_NAMES} distinct names")
+    for alias in names:
+        if not MODEL_NAME_RE.fullmatch(alias) or ".." in alias or alias == reader.model:
+            raise InvalidArgument(f"model {reader.model!r}: served_names entry {alias[:80]!r} must be a model name "
+                                  "other than the model's own")
+    return tuple(names)
 
 
 def _source(reader: _Reader) -> str:
