@@ -17,6 +17,7 @@ from starlette.routing import BaseRoute, Route
 
 from modeld.backends.errors import NotFound
 from modeld.server.dataplane import DataPlane
+from modeld.server.http.common import unless_client_leaves
 from modeld.server.http.openai_chat import answer_generation
 from modeld.server.http.openai_embeddings import embeddings
 from modeld.server.http.openai_fields import (
@@ -83,7 +84,8 @@ class OpenAIApi:
 
     @takes_json_body
     async def embeddings(self, request: Request, body: dict) -> Response:
-        return JSONResponse(await embeddings(self.plane, body))
+        # a client that leaves cancels every chunk still queued or running
+        return JSONResponse(await unless_client_leaves(request, embeddings(self.plane, body)))
 
     async def list_models(self, request: Request) -> Response:
         try:

@@ -21,7 +21,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import onnx_fixtures
-from daemon import start_daemon
+from daemon import MODELS, start_daemon
+from modeld.gen import node_pb2, node_pb2_grpc
 from modeld.gen import inference_pb2 as pb
 from modeld.gen import inference_pb2_grpc as pb_grpc
 from polling import wait_until
@@ -53,6 +54,14 @@ def daemon(tmp_path_factory, inline_tmp):
     root = tmp_path_factory.mktemp("repo")
     _tensor_model(root, "plain")
     _tensor_model(root, "roomy", '[limits]\nmax_request_bytes = "64MiB"')
+    # minilm whose batches wait a minute for company: a call stays queued until cancelled
+    (root / "slowembed").mkdir()
+    for name in ("model.onnx", "tokenizer.json"):
+        (root / "slowembed" / name).symlink_to((MODELS / "minilm" / name).resolve())
+    (root / "slowembed" / "model.toml").write_text(
+        'format = "onnx"\nbackends = ["onnx"]\n[batching]\nmax_batch_size = 64\nmax_queue_delay_us = 60000000\n'
+        '[text]\ntokenizer = "tokenizer.json"\ninput = "text"\nmax_length = 64\n[limits]\n'
+        'max_request_bytes = "1MiB"\n')
     proc = start_daemon(repository=root, env={
         "MODELD_MAX_REQUEST_BYTES": str(REQUEST_CAP), "MODELD_STREAM_INFER_WINDOW": str(WINDOW),
         "MODELD_INLINE_DISK_QUOTA": str(QUOTA), "MODELD_MAX_CONCURRENT_RPCS": str(MAX_RPCS),
@@ -160,6 +169,23 @@ def test_200000_embedding_inputs_are_refused_at_once_while_health_answers(daemon
     assert "200000 embedding inputs" in message and "max_embedding_inputs limit (2048)" in message
     assert prober.statuses == {health_pb2.HealthCheckResponse.SERVING}
     assert max(prober.latencies) < PROBE_BOUND_S
+
+
+def _in_flight(channel, model: str) -> int:
+    stats = node_pb2_grpc.NodeStub(channel).Stats(node_pb2.NodeStatsRequest(), timeout=30)
+    return next((m.in_flight for m in stats.models if m.name == model), 0)
+
+
+def test_an_embedding_call_whose_client_left_leaves_the_queue(daemon, channel):
+    """The batch would wait a minute for company; the client's leaving
+    cancels the call's chunks at once rather than when the batch runs."""
+    body = {"model": "slowembed", "input": ["one sentence", "another", "a third"]}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{daemon.http_url}/v1/embeddings", json=body, timeout=httpx.Timeout(30, read=1.0))
+    wait_until(lambda: _in_flight(channel, "slowembed") == 0, timeout=30, what="the left call to be cancelled")
+    metrics = httpx.get(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=30).text
+    assert [line for line in metrics.splitlines() if line.startswith("modeld_request_failures_total{")
+            and 'model="slowembed"' in line and 'status="CANCELLED"' in line]
 
 
 # -- large BYTES tensors decode off the event loop --------------------------------------------
