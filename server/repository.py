@@ -45,6 +45,8 @@ class ModelRepository:
         self.inline_root = inline_root
         self._inline: dict[str, ModelSource] = {}
         self.store = store if store is not None else ModelStore()
+        self._alias_key: tuple = ()
+        self._repo_aliases: dict[str, str] = {}
 
     def names(self) -> list[str]:
         found = set(self._inline)
@@ -52,8 +54,40 @@ class ModelRepository:
             found.update(p.parent.name for p in self.root.glob(f"*/{CONFIG_FILE}"))
         return sorted(found)
 
+    def canonical(self, name: str) -> str:
+        """The model `name` names: itself, or the model whose served_names
+        holds it. A model's own name wins over another model's alias."""
+        if name in self._inline or self._repo_dir(name) is not None:
+            return name
+        return self._aliases().get(name, name)
+
+    def _aliases(self) -> dict[str, str]:
+        found: dict[str, str] = {}
+        for model in sorted(self._inline):
+            for alias in self._inline[model].config.served_names:
+                found.setdefault(alias, model)
+        if self.root is not None and self.root.is_dir():
+            tomls = sorted(self.root.glob(f"*/{CONFIG_FILE}"))
+            # reread only when a model.toml changed: an alias may be named on every call
+            key = tuple((p, p.stat().st_mtime_ns) for p in tomls if p.is_file())
+            if key != self._alias_key:
+                self._repo_aliases = {}
+                for path, _ in key:
+                    try:
+                        names = tomllib.loads(path.read_text(encoding="utf-8")).get("served_names", [])
+                    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+                        continue  # its own load says what is wrong with it
+                    for alias in names if isinstance(names, list) else []:
+                        if isinstance(alias, str):
+                            self._repo_aliases.setdefault(alias, path.parent.name)
+                self._alias_key = key
+            for alias, model in self._repo_aliases.items():
+                found.setdefault(alias, model)
+        return found
+
     def resolve(self, name: str) -> ModelSource:
         validate_model_name(name)
+        name = self.canonical(name)
         if name in self._inline:
             return self._inline[name]
         model_dir = self._repo_dir(name)

@@ -81,16 +81,16 @@ class Engine:
         self.models.add_listener(listener)
 
     def state_of(self, name: str) -> ModelState:
-        return self.models.state_of(name)
+        return self.models.state_of(self.dispatch.canonical(name))
 
     def statuses(self) -> list[ModelStatus]:
         return [self.models.status(n) for n in sorted(set(self.repository.names()) | self.models.names())]
 
     def served(self, name: str) -> ServedModel | None:
-        return self.models.get(name)
+        return self.models.get(self.models.aliases.get(name, name))
 
     def stats(self, name: str) -> ModelStats:
-        return self.models.stats(name)
+        return self.models.stats(self.models.aliases.get(name, name))
 
     def is_known(self, name: str) -> bool:
         """Served, loading, or in the repository."""

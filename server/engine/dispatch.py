@@ -53,15 +53,32 @@ class Dispatcher:
         self.max_streams = max_streams
         self.num_streams = 0
 
+    def canonical(self, name: str) -> str:
+        """The model a name means: itself, or the model whose served_names holds it."""
+        if name in self.models.aliases:
+            return self.models.aliases[name]
+        if self.models.is_active(name):
+            return name
+        try:
+            return self.lifecycle.repository.canonical(name)
+        except ModeldError:  # a malformed name names nothing
+            return name
+
     def is_known(self, name: str) -> bool:
+        name = self.canonical(name)
         return self.models.is_active(name) or name in self.lifecycle.repository.names()
 
     async def ensure_loaded(self, name: str, version: str = "") -> ServedModel:
         check_version(name, version)
+        name = self.models.aliases.get(name, name)
         served = self.models.get(name)
         if served is not None and name not in self.models.unloading:
             return served
         source = self.lifecycle.repository.resolve(name)
+        name = source.config.name  # an alias's model
+        served = self.models.get(name)
+        if served is not None and name not in self.models.unloading:
+            return served
         lazy = source.config.lazy_load if source.config.lazy_load is not None else self.lazy_load
         if not lazy and name not in self.models.loading:
             raise Unavailable(f"model {name!r} is not loaded and lazy loading is off; load it first (RepositoryModelLoad)")
@@ -76,7 +93,7 @@ class Dispatcher:
         if not self.is_known(name):
             yield
             return
-        stats = self.models.stats(name)
+        stats = self.models.stats(self.canonical(name))
         stats.begin_call()
         try:
             yield

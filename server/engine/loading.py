@@ -206,7 +206,7 @@ class ModelLifecycle:
         log.info("model_loaded", model=config.name, backend=backend.name, nbytes=loaded.nbytes, estimate=estimate,
                  standby=not register)
         if register:  # else a remote model's standby: reached through it, never by name
-            self.models.served[config.name] = served
+            self.models.register(served, self.repository.names)
             for listener in self.on_registered:
                 listener(served)
             self.models.notify(config.name, ModelState.READY)
@@ -295,7 +295,7 @@ class ModelLifecycle:
     async def drop(self, served: ServedModel) -> None:
         """Stop one ServedModel and free what it holds (its standby too)."""
         if self.models.is_current(served):
-            del self.models.served[served.config.name]
+            self.models.unregister(served.config.name)
         self.accounting.num_dropping += 1
         try:
             await self.drop_standby(served)

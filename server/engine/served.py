@@ -77,6 +77,7 @@ class ModelTable:
         self.failures: dict[str, str] = {}  # the reason the last load failed
         self.pulling: dict[str, tuple[str, Progress]] = {}  # store models being fetched: URI and bytes
         self.pulled_dirs: dict[str, Path] = {}  # store models pulled and loading: their cache folders
+        self.aliases: dict[str, str] = {}  # served models' served_names -> their names
         self._stats: dict[str, ModelStats] = {}
         self._listeners: list[StateListener] = []
 
@@ -89,6 +90,22 @@ class ModelTable:
 
     def get(self, name: str) -> ServedModel | None:
         return self.served.get(name)
+
+    def register(self, served: ServedModel, real_names: Callable[[], list[str]]) -> None:
+        """Serve `served` by its name and its served_names (not those that
+        are another model's own name)."""
+        name = served.config.name
+        self.served[name] = served
+        if served.config.served_names:
+            taken = set(real_names())
+            for alias in served.config.served_names:
+                if alias not in taken:
+                    self.aliases.setdefault(alias, name)
+
+    def unregister(self, name: str) -> None:
+        self.served.pop(name, None)
+        for alias in [a for a, n in self.aliases.items() if n == name]:
+            del self.aliases[alias]
 
     def is_current(self, served: ServedModel) -> bool:
         return self.served.get(served.config.name) is served

@@ -110,7 +110,8 @@ def served(stores):
 
     repository = root / "repo"
     (repository / "scale").mkdir(parents=True)
-    (repository / "scale" / "model.toml").write_text(f'source = "{registry.uri("models/scale", "v1")}"\n')
+    (repository / "scale" / "model.toml").write_text(f'source = "{registry.uri("models/scale", "v1")}"\n'
+                                                     'served_names = ["scale-stable"]\n')
     settings = root / "modeld.toml"
     settings.write_text(f'store_cache_dir = "{root / "cache"}"\nstore_cache_budget = "64MiB"\n'
                         f'store_oci_plain_http = ["{registry.host}"]\n'
@@ -300,3 +301,17 @@ def test_the_disk_cache_evicts_unused_models_and_refuses_when_all_are_in_use(sto
     finally:
         client.close()
         daemon.stop()
+
+
+def test_served_names_reach_their_model(served):
+    _, client, registry, _, _ = served
+    assert infer(client, "scale-stable").tolist() == [[1, 2, 3, 4]]  # the repository entry's alias
+    assert client.is_model_ready("scale-stable")
+    client.load_model("aliased", config=json.dumps({"source": registry.uri("models/by-oras", "v1"),
+                                                    "served_names": ["by-oras-latest"]}))
+    assert infer(client, "by-oras-latest").tolist() == [[2, 2, 2, 2]]
+    stats = client.get_inference_statistics("aliased", as_json=True)["model_stats"][0]
+    assert int(stats["inference_count"]) >= 1  # counted under the model, not the alias
+    with pytest.raises(InferenceServerException) as unknown:
+        infer(client, "no-such-alias")
+    assert unknown.value.status() == "StatusCode.NOT_FOUND"
