@@ -38,6 +38,10 @@ from modeld.server.os_memory import own_rss
 
 log = structlog.get_logger("modeld.daemon")
 
+# room above max_concurrent_rpcs for the calls it does not count (health
+# checks, reflection): gRPC's own cap, the backstop, counts every call
+PROBE_HEADROOM = 256
+
 _HEALTH_BY_STATE = {ModelState.READY: health_pb2.HealthCheckResponse.SERVING}
 
 
@@ -130,10 +134,16 @@ class Daemon:
         if self.auth is not None:
             from modeld.server.auth import AuthInterceptor
 
-            interceptors.append(AuthInterceptor(self.auth))
-        # past max_concurrent_rpcs gRPC itself answers RESOURCE_EXHAUSTED, before any handler runs
+            interceptors.append(AuthInterceptor(self.auth))  # first: a refused call takes no slot
+        backstop = None
+        if s.max_concurrent_rpcs:
+            from modeld.server.services.limits import ConcurrencyInterceptor
+
+            interceptors.append(ConcurrencyInterceptor(s.max_concurrent_rpcs))
+            # gRPC's own cap counts probes too and names no setting: only past ours, for calls it never lets in
+            backstop = s.max_concurrent_rpcs + PROBE_HEADROOM
         self.server = grpc.aio.server(options=options, interceptors=interceptors or None,
-                                      maximum_concurrent_rpcs=s.max_concurrent_rpcs or None)
+                                      maximum_concurrent_rpcs=backstop)
         # every handler registered through it parses its own request: bytes
         # that are no valid message are INVALID_ARGUMENT, not grpc's UNKNOWN
         parsing = ParsingServer(self.server, lambda: self.plane.count_failure("", ErrorKind.INVALID_ARGUMENT))

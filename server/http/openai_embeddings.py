@@ -12,7 +12,6 @@ from modeld.backends.model_config import TensorSpec
 from modeld.server.dataplane import DataPlane, ModelMetadata
 from modeld.server.http.common import json_type_name
 from modeld.server.http.openai_fields import IGNORED, FieldError, check_fields, get_field, get_int, model_name, priority
-from modeld.server.limits import RequestLimits
 from modeld.server.requests import InferRequest
 
 _EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "priority"} | IGNORED
@@ -22,7 +21,7 @@ async def embeddings(plane: DataPlane, body: dict) -> dict:
     """The answer to one /v1/embeddings body."""
     model = model_name(body)
     check_fields(body, _EMBEDDING_FIELDS, "/v1/embeddings")
-    texts = _texts(body, plane.limits)
+    texts = _texts(body, plane)
     encoding = get_field(body, "encoding_format", (str,), "float or base64", "float")
     if encoding not in ("float", "base64"):
         raise FieldError("encoding_format", f"encoding_format must be float or base64, got {encoding!r}")
@@ -71,13 +70,13 @@ def _truncate(vectors: np.ndarray, dimensions: int, model: str) -> np.ndarray:
     return (short / np.where(norms > 0, norms, 1.0)).astype(np.float32, copy=False)
 
 
-def _texts(body: dict, limits: RequestLimits) -> list[str]:
+def _texts(body: dict, plane: DataPlane) -> list[str]:
     value = body.get("input")
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not value:
         raise FieldError("input", "input must be a string or a non-empty array of strings")
-    limits.check_embedding_inputs(len(value))  # before looking at one of them
+    plane.limits.check_embedding_inputs(len(value))  # max_embedding_inputs, before looking at one of them
     for i, text in enumerate(value):
         if not isinstance(text, str):
             raise FieldError("input", f"input[{i}] must be a string, got {json_type_name(text)} (token arrays are not "

@@ -331,6 +331,10 @@ def test_grpc_calls_past_max_concurrent_rpcs_are_resource_exhausted(daemon, stub
 
             exc = wait_until(refused, what="a call past the cap to be refused")
             assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert f"max_concurrent_rpcs limit ({MAX_RPCS})" in exc.details()
+            # probes are not counted: the kubelet still hears SERVING
+            check = health_pb2_grpc.HealthStub(other).Check(health_pb2.HealthCheckRequest(service=""), timeout=30)
+            assert check.status == health_pb2.HealthCheckResponse.SERVING
             release.set()
             for call in open_calls:
                 assert list(call) == []
