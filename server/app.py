@@ -211,10 +211,12 @@ class Daemon:
         config = uvicorn.Config(
             # bodies up to gRPC's message cap; inference bodies also their
             # model's request size cap (http/common.py, read_body)
-            build_app(self.plane, s.max_message_bytes, authenticator=self.auth),
+            build_app(self.plane, s.max_message_bytes, authenticator=self.auth,
+                      max_concurrency=s.http_max_concurrency),
             log_config=None, lifespan="off", access_log=False, server_header=False,
-            # past it uvicorn answers 503 before the app runs; idle keep-alive connections count
-            limit_concurrency=s.http_max_concurrency or None,
+            # the backstop (probes and idle keep-alive connections count): past it
+            # uvicorn answers 503 before the app runs, while ours names its limit
+            limit_concurrency=s.http_max_concurrency + PROBE_HEADROOM if s.http_max_concurrency else None,
             timeout_graceful_shutdown=s.shutdown_grace_s,
             # longer than clients and balancers keep idle connections (aiohttp
             # 15 s, cloud balancers 60 s): a server that closes first races

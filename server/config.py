@@ -79,7 +79,7 @@ class Settings:
     # what one caller may hold (server/limits.py); each refusal names its setting
     max_concurrent_rpcs: int = 4096  # gRPC calls in progress at once, daemon-wide; 0: no cap
     max_streams_per_connection: int = 0  # HTTP/2 streams one gRPC connection may open at once; 0: gRPC's default
-    http_max_concurrency: int = 4096  # HTTP connections and requests in progress (uvicorn's limit_concurrency); 0: no cap
+    http_max_concurrency: int = 4096  # HTTP requests in progress, daemon-wide (uvicorn's limit_concurrency above it); 0: no cap
     max_embedding_inputs: int = 2048  # strings in one /v1/embeddings call
     stream_infer_window: int = 64  # ModelStreamInfer requests one stream may have in flight or unread
     inline_disk_quota: int = 8 * 1024**3  # bytes every uploaded (inline) model's folder may hold together; 0: none

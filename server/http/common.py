@@ -163,3 +163,41 @@ async def unless_client_leaves(request: Request, awaitable):
     work.cancel()
     await asyncio.wait({work})  # its cleanup releases the sequence before we answer
     raise ClientGone()
+
+
+# Routes a caller may always reach: Kubernetes probes must be answered while
+# every slot is taken.
+_UNCOUNTED_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
+
+
+class ConcurrencyLimit:
+    """At most `limit` HTTP requests in progress, daemon-wide (a streaming
+    answer counts until it ends); past it 429 naming http_max_concurrency,
+    in the route's error shape. Health routes are not counted. Pure ASGI,
+    as the other middleware, so streaming bodies are untouched."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+        self.active = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("path") in _UNCOUNTED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.active >= self.limit:
+            from starlette.responses import JSONResponse
+
+            message = (f"the daemon has {self.active} HTTP requests in progress, its http_max_concurrency limit "
+                       f"({self.limit}); retry shortly, or on another node")
+            if scope.get("path", "").startswith("/v1/"):  # the OpenAI SDK reads error.message
+                body = {"error": {"message": message, "type": "rate_limit_exceeded", "param": None,
+                                  "code": "resource_exhausted"}}
+            else:
+                body = {"error": message}
+            await JSONResponse(body, status_code=429)(scope, receive, send)
+            return
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1

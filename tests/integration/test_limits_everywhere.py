@@ -343,19 +343,31 @@ def test_grpc_calls_past_max_concurrent_rpcs_are_resource_exhausted(daemon, stub
         release.set()
 
 
-def test_http_connections_past_the_cap_get_503(daemon, http):
-    idle = []
+def _held_embedding_call(daemon) -> socket.socket:
+    """An /v1/embeddings call to slowembed, whose batch waits a minute: it
+    stays in progress until the socket closes."""
+    body = json.dumps({"model": "slowembed", "input": ["held"]}).encode()
+    sock = socket.create_connection(("127.0.0.1", daemon.http_port), timeout=30)
+    sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    return sock
+
+
+def test_http_requests_past_the_cap_get_429_naming_it(daemon, channel):
+    held = []
     try:
         for _ in range(MAX_HTTP):
-            idle.append(socket.create_connection(("127.0.0.1", daemon.http_port), timeout=30))
-
-        def refused():
-            with httpx.Client(base_url=daemon.http_url, timeout=30) as fresh:
-                return fresh.get("/v2/health/live").status_code == 503
-
-        wait_until(refused, what="a connection past the cap to get 503")
+            held.append(_held_embedding_call(daemon))
+        wait_until(lambda: _in_flight(channel, "slowembed") == MAX_HTTP, what="the held calls to be in progress")
+        with httpx.Client(base_url=daemon.http_url, timeout=30) as fresh:
+            refused = fresh.post("/v1/embeddings", json={"model": "slowembed", "input": ["one more"]})
+            assert refused.status_code == 429
+            assert f"http_max_concurrency limit ({MAX_HTTP})" in refused.json()["error"]["message"]
+            kserve = fresh.post("/v2/models/plain/infer", json=_json_rows(1))
+            assert kserve.status_code == 429 and "http_max_concurrency" in kserve.json()["error"]
+            assert fresh.get("/v2/health/ready").status_code == 200  # probes are not counted
     finally:
-        for sock in idle:
+        for sock in held:
             sock.close()
-    wait_until(lambda: httpx.get(f"{daemon.http_url}/v2/health/live", timeout=30).status_code == 200,
-               what="connections to be taken again")
+    wait_until(lambda: _in_flight(channel, "slowembed") == 0, what="the closed calls to be cancelled")
+    assert httpx.post(f"{daemon.http_url}/v2/models/plain/infer", json=_json_rows(1), timeout=30).status_code == 200
