@@ -42,7 +42,8 @@ DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
 CHUNK = 1024 * 1024
 MAX_FILES = 4096  # files one model may have; a listing beyond is refused
 MAX_PATH = 512
-RESUME_TRIES = 4  # a dropped connection is resumed from where it broke this many times
+RESUME_TRIES = 4
+PARTIAL_KEEP_S = 7 * 24 * 3600  # a partial download untouched this long is removed at start  # a dropped connection is resumed from where it broke this many times
 
 
 class DigestMismatch(InvalidArgument):
@@ -213,6 +214,13 @@ class BlobCache:
                 self._remove_entry_files(entry.id)
         for tmp in (self.root / "models").glob(".tmp-*"):
             shutil.rmtree(tmp, ignore_errors=True)
+        stale = time.time() - PARTIAL_KEEP_S
+        for part in (self.root / "partial").glob("*.part"):
+            try:
+                if part.stat().st_mtime < stale:  # a pull nobody resumed: it is not coming back
+                    part.unlink()
+            except OSError:
+                pass
 
     def _blob(self, digest: str) -> Path:
         return self.root / "blobs" / "sha256" / digest.removeprefix("sha256:")
