@@ -1,13 +1,18 @@
 """Paths a model's own files name, kept inside the model's folder.
 
 A model folder may come from a client (an inline upload) or from a store,
-and the files in it name other files: an ONNX initializer's external data,
-the keys of onnxruntime-genai's genai_config.json, tokenizer files, the
-other parts of a split GGUF, safetensors shards. Every such name is resolved
-here, against the folder, with symlinks followed, so `../secret`, an absolute
-path and a link pointing out are all refused the same way, before any
-runtime opens the file: modeld checks each path itself rather than rely on
-each library's version to do it.
+and the files in it name other files: an ONNX tensor's external data, the
+file keys of onnxruntime-genai's genai_config.json, its tokenizer. Every
+such name is resolved here, against the folder, with symlinks followed, so
+`../secret`, an absolute path and a link pointing out are all refused the
+same way, before any runtime opens the file: modeld checks each path itself
+rather than rely on each library's version to do it.
+
+The folder's own entries are not names a file wrote: the artifact and the
+`[text]` tokenizer (model.toml's, kept relative without `..` by the config
+parser), the parts of a split GGUF (llama.cpp takes them from the first
+part's own folder) and safetensors shards (found by glob in the folder).
+An operator may link those in from elsewhere; an upload cannot make a link.
 
 Errors name the model and the field and show the path as the model's file
 wrote it (relative) or relative to the folder, never an absolute path: an
@@ -52,28 +57,6 @@ def resolve_inside(model: str, folder: Path, name: object, field: str) -> Path:
         raise ArtifactPathError(f"model {model!r}: {field} {name!r} leaves the model folder ({how}); "
                                 "a model's files must stay inside its folder")
     return target
-
-
-def check_inside(model: str, folder: Path, path: Path, field: str) -> Path:
-    """`path` (already joined to the folder, e.g. the config's artifact)
-    resolved, refused if a symlink takes it outside the folder."""
-    root = folder.resolve()
-    target = path.resolve()
-    if not target.is_relative_to(root):
-        raise ArtifactPathError(f"model {model!r}: {field} {relative_to(folder, path)!r} leaves the model "
-                                "folder through a symbolic link; a model's files must stay inside its folder")
-    return target
-
-
-def relative_to(folder: Path, path: Path) -> str:
-    """`path` as shown to a client: relative to the model folder when it is
-    inside, else only its last part."""
-    for root in (folder, folder.resolve()):
-        try:
-            return path.relative_to(root).as_posix()
-        except ValueError:
-            continue
-    return f"…/{path.name}"
 
 
 def scrub_paths(text: str, folders: tuple[Path, ...] = ()) -> str:
