@@ -115,3 +115,16 @@ def test_absolute_paths_are_scrubbed_from_runtime_messages(tmp_path):
     assert scrub_paths(text, (folder,)) == ("Load model from model.onnx failed: see …/passwd (GET /v1/models) "
                                             "http://h:1/a/b")
     assert scrub_paths(f"cannot read {Path('/x/y')}: 3/4 done") == "cannot read …/y: 3/4 done"
+
+
+def test_the_settings_become_the_policy_every_load_gets(tmp_path):
+    from modeld.server.config import ConfigError, load_settings
+
+    environ = {"MODELD_REMOTE_API_KEY_ENVS": "VLLM_API_KEY, TGI_TOKEN", "MODELD_REMOTE_ALLOWED_HOSTS": "vllm.internal",
+               "MODELD_IREE_CACHE_DIR": str(tmp_path / "iree")}
+    policy = load_settings({"model_repository": ""}, environ).load_policy()
+    assert policy == LoadPolicy(frozenset({"VLLM_API_KEY", "TGI_TOKEN"}), ("vllm.internal",), frozenset(),
+                                str(tmp_path / "iree"))
+    assert load_settings({"model_repository": ""}, {}).load_policy() == LOCKED
+    with pytest.raises(ConfigError, match="remote_api_key_envs must be environment variable names"):
+        load_settings({"model_repository": ""}, {"MODELD_REMOTE_API_KEY_ENVS": "NOT-A-NAME"})
