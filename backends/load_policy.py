@@ -29,3 +29,9 @@ class LoadPolicy:
     # where compiled modules are kept (iree_cache_dir); "": the daemon's
     # default under the user's cache directory
     iree_cache_dir: str = ""
+    # (model name, template file) the operator gave (--chat-template NAME=FILE):
+    # it replaces the model's own template and model.toml's chat_template
+    chat_templates: tuple[tuple[str, str], ...] = ()
+
+    def chat_template_for(self, model: str) -> str:
+        return next((path for name, path in self.chat_templates if name == model), "")

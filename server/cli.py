@@ -25,6 +25,8 @@ def _serve_args(sub) -> None:
     p.add_argument("--max-streams", dest="max_streams", type=int,
                    help="generations in progress at once, daemon-wide (default 1024); beyond: RESOURCE_EXHAUSTED")
     p.add_argument("--config", type=Path, help="TOML settings file")
+    p.add_argument("--chat-template", dest="chat_templates", action="append", metavar="NAME=FILE",
+                   help="a Jinja chat template file replacing model NAME's own (repeatable)")
     p.add_argument("--no-lazy-load", dest="lazy_load", action="store_const", const=False, help="never load a model on first request")
     p.add_argument("--no-preload", dest="preload", action="store_const", const=False, help="don't load repository models at start")
     p.add_argument("--log-format", dest="log_format", choices=["json", "console"])
@@ -170,6 +172,7 @@ def serve(args) -> int:
     flags.update({k: getattr(args, k) for k in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")})
     flags["isolation"] = args.isolation
     flags["insecure"] = args.insecure
+    flags["chat_templates"] = args.chat_templates
     return _run_until_signalled(lambda: load_settings(flags, config_file=args.config), ConfigError, Daemon)
 
 

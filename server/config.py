@@ -74,6 +74,8 @@ class Settings:
     remote_allowed_hosts: tuple[str, ...] = ()
     onnx_genai_allowed_keys: tuple[str, ...] = ()
     iree_cache_dir: Path | None = None  # None: $XDG_CACHE_HOME/modeld/iree (~/.cache/modeld/iree)
+    # (model, Jinja file): the file replaces that model's chat template (--chat-template NAME=FILE)
+    chat_templates: tuple[tuple[str, Path], ...] = ()
     # a host other than loopback needs auth_token_file unless this is set (server/limits.py, is_loopback)
     insecure: bool = False
     # what one caller may hold (server/limits.py); each refusal names its setting
@@ -112,7 +114,8 @@ class Settings:
         from modeld.backends.load_policy import LoadPolicy
 
         return LoadPolicy(frozenset(self.remote_api_key_envs), self.remote_allowed_hosts,
-                          frozenset(self.onnx_genai_allowed_keys), str(self.iree_cache_dir or ""))
+                          frozenset(self.onnx_genai_allowed_keys), str(self.iree_cache_dir or ""),
+                          tuple((name, str(path.resolve())) for name, path in self.chat_templates))
 
     def store_settings(self):
         from modeld.server.store import OciSettings, S3Settings, StoreSettings
@@ -162,6 +165,7 @@ _PARSERS = {
     "remote_allowed_hosts": lambda v: _names(v),
     "onnx_genai_allowed_keys": lambda v: _names(v),
     "iree_cache_dir": lambda v: _optional_path(v),
+    "chat_templates": lambda v: _chat_templates(v),
     "insecure": lambda v: _parse_bool(v),
     "max_concurrent_rpcs": int,
     "max_streams_per_connection": int,
@@ -187,6 +191,19 @@ def _names(value: Any) -> tuple[str, ...]:
     if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
         raise ValueError("not a list of names")
     return tuple(i.strip() for i in items if i.strip())
+
+
+def _chat_templates(value: Any) -> tuple[tuple[str, Path], ...]:
+    """NAME=FILE pairs: a TOML list, repeated flags, or a comma-separated string."""
+    out = []
+    for item in _names(value):
+        name, _, path = item.partition("=")
+        if not name.strip() or not path.strip():
+            raise ValueError(f"{item!r} is not NAME=FILE (a model's name and its Jinja chat template)")
+        if not Path(path.strip()).is_file():
+            raise ValueError(f"the chat template {path.strip()!r} of model {name.strip()!r} is not a file")
+        out.append((name.strip(), Path(path.strip())))
+    return tuple(out)
 
 
 def _host_list(value: Any) -> tuple[str, ...]:

@@ -24,6 +24,7 @@ from typing import Mapping
 
 from modeld.backends.errors import InvalidArgument, LoadFailed
 from modeld.backends.generation.params import ChatMessage, ToolCall, ToolSpec
+from modeld.backends.model_config import ModelConfig
 
 # A template file larger than this is not a chat template; the biggest on the
 # Hub (tool-calling ones with many branches) are around 20 KB.
@@ -105,13 +106,17 @@ class ChatTemplate:
             raise LoadFailed(f"chat_template {relative!r} leads outside the model folder")
         if not path.is_file():
             raise LoadFailed(f"chat_template {relative!r} is not a file in the model folder")
-        if path.stat().st_size > MAX_TEMPLATE_BYTES:
-            raise LoadFailed(f"chat_template {relative!r} is over {MAX_TEMPLATE_BYTES} bytes")
-        try:
-            source = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise LoadFailed(f"chat_template {relative!r} is not UTF-8 text") from None
-        return cls(source, special_tokens, origin=f"chat_template {relative!r}")
+        origin = f"chat_template {relative!r}"
+        return cls(_read_template(path, origin), special_tokens, origin=origin)
+
+    @classmethod
+    def from_operator_file(cls, path: Path, special_tokens: Mapping[str, str] | None = None) -> ChatTemplate:
+        """The daemon's --chat-template file: the operator's, so wherever it is
+        (the settings check it exists at start); its name stays out of errors."""
+        if not path.is_file():
+            raise LoadFailed("the --chat-template file of this model is missing")
+        origin = "the --chat-template file"
+        return cls(_read_template(path, origin), special_tokens, origin=origin)
 
     def render(self, messages: tuple[ChatMessage, ...], tools: tuple[ToolSpec, ...] = (),
                add_generation_prompt: bool = True, **kwargs) -> str:
@@ -135,6 +140,15 @@ class ChatTemplate:
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             raise InvalidArgument(f"{self.origin} cannot render these messages ({type(exc).__name__}: "
                                   f"{str(exc)[:200]})") from None
+
+
+def _read_template(path: Path, origin: str) -> str:
+    if path.stat().st_size > MAX_TEMPLATE_BYTES:
+        raise LoadFailed(f"{origin} is over {MAX_TEMPLATE_BYTES} bytes")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise LoadFailed(f"{origin} is not UTF-8 text") from None
 
 
 def message_dict(message: ChatMessage) -> dict:
@@ -205,12 +219,16 @@ def _hermes_history(message: ChatMessage) -> dict:
     return {"role": message.role, "content": (message.content + "\n" if message.content else "") + calls}
 
 
-def model_chat_template(template_file: str, model_dir: Path, own_source: str,
+def model_chat_template(config: ModelConfig, model_dir: Path, own_source: str,
                         special_tokens: Mapping[str, str]) -> ChatTemplate | None:
-    """The template a model renders its chats with: the file model.toml's
-    `chat_template` names, else the model's own; None when it has neither."""
-    if template_file:
-        return ChatTemplate.from_file(model_dir, template_file, special_tokens)
+    """The template a model renders its chats with: the operator's file
+    (`--chat-template NAME=FILE`), else the file model.toml's
+    `chat_template` names, else the model's own; None when it has none."""
+    operator_file = config.policy.chat_template_for(config.name)
+    if operator_file:
+        return ChatTemplate.from_operator_file(Path(operator_file), special_tokens)
+    if config.chat_template:
+        return ChatTemplate.from_file(model_dir, config.chat_template, special_tokens)
     if own_source:
         return ChatTemplate(own_source, special_tokens)
     return None

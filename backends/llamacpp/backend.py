@@ -93,7 +93,7 @@ class LlamaGenerativeModel(GenerativeModel):
         try:
             # the model's own Jinja template (GGUF metadata), run as transformers
             # runs it, rather than llama.cpp's built-in matcher, which knows no tools
-            template = model_chat_template(config.chat_template, model_dir, self.llama_model.chat_template_source(),
+            template = model_chat_template(config, model_dir, self.llama_model.chat_template_source(),
                                            self.llama_model.special_tokens())
         except BaseException:
             self.llama_model.close()

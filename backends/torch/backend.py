@@ -239,7 +239,7 @@ class TorchGenerativeModel(GenerativeModel):
         self.tokenizer = load_tokenizer(config, model_dir)
         # the tokenizer's template (a GGUF's metadata), rendered by the same
         # code as llama.cpp's, so both backends build the same prompt
-        template = model_chat_template(config.chat_template, model_dir, getattr(self.tokenizer, "chat_template", None)
+        template = model_chat_template(config, model_dir, getattr(self.tokenizer, "chat_template", None)
                                        or "", self.tokenizer.special_tokens_map)
         block_size = options.block_size
         self.scheduler = PagedScheduler(PagedConfig(

@@ -6,6 +6,7 @@ Llama 3 styles; bad templates and files are refused with a reason."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ from transformers import PreTrainedTokenizerFast
 from modeld.backends.errors import InvalidArgument, LoadFailed
 from modeld.backends.generation.chat_template import ChatTemplate, model_chat_template, render_chat
 from modeld.backends.generation.params import ChatMessage, ToolCall, ToolSpec
+from modeld.backends.load_policy import LoadPolicy
+from modeld.backends.model_config import config_from_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2_GGUF = ROOT / "models" / "smollm2" / "model.gguf"
@@ -232,12 +235,21 @@ def test_the_override_file_stays_inside_the_model_folder(tmp_path):
     (model_dir / "chat.jinja").write_text("[{{ messages[0].content }}]")
     (tmp_path / "outside.jinja").write_text("secret")
     (model_dir / "link.jinja").symlink_to(tmp_path / "outside.jinja")
-    override = model_chat_template("chat.jinja", model_dir, "{{ 'own' }}", {})
-    assert render_chat(override, (ChatMessage("user", "hi"),)) == "[hi]"
-    assert render_chat(model_chat_template("", model_dir, "{{ 'own' }}", {}), (ChatMessage("user", "x"),)) == "own"
+
+    def template(chat_template: str, own: str = "", operator: str = ""):
+        config = replace(config_from_dict("m", {"format": "gguf", "chat_template": chat_template}),
+                         policy=LoadPolicy(chat_templates=(("m", operator),) if operator else ()))
+        return model_chat_template(config, model_dir, own, {})
+
+    hi = (ChatMessage("user", "hi"),)
+    assert render_chat(template("chat.jinja", own="{{ 'own' }}"), hi) == "[hi]"
+    assert render_chat(template("", own="{{ 'own' }}"), hi) == "own"
     with pytest.raises(LoadFailed, match="outside the model folder"):
-        model_chat_template("link.jinja", model_dir, "", {})
+        template("link.jinja")
     with pytest.raises(LoadFailed, match="not a file"):
-        model_chat_template("missing.jinja", model_dir, "", {})
+        template("missing.jinja")
     with pytest.raises(InvalidArgument, match="no chat template"):
-        render_chat(model_chat_template("", model_dir, "", {}), (ChatMessage("user", "x"),))
+        render_chat(template(""), hi)
+    # the operator's --chat-template file wins over both, wherever it lies
+    assert render_chat(template("chat.jinja", own="{{ 'own' }}", operator=str(tmp_path / "outside.jinja")), hi) \
+        == "secret"
