@@ -37,6 +37,7 @@ SAFE_SESSION_KEYS = frozenset({
 })
 # a provider option that names something to read, write or load
 _PATHLIKE_RE = re.compile(r"path|file|dir|librar|plugin|cache|\.so$|dll", re.IGNORECASE)
+_LIBRARY_RE = re.compile(r"librar|plugin", re.IGNORECASE)  # a key that loads a library, at any depth
 _MAX_DEPTH = 32  # nesting deeper than any real config: refused rather than recursed
 
 
@@ -66,6 +67,8 @@ def _check_file(model: str, folder: Path, dotted: str, value: Any) -> None:
 
 
 def _is_dangerous(path: tuple[str, ...], key: str) -> bool:
+    if _LIBRARY_RE.search(key):  # wherever a release puts it
+        return True
     if "session_options" in path[-1:]:
         return key not in SAFE_SESSION_KEYS
     if "provider_options" in path:  # [{"cuda": {"option": "value"}}]: the option's own name
