@@ -21,6 +21,7 @@ ever longer queue per message it sends.
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import AsyncIterator
 
 import structlog
@@ -50,11 +51,6 @@ class InferStream:
         self.responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue(maxsize=self.window)
         self.slots = asyncio.Semaphore(self.window)
         self.tasks: set[asyncio.Task] = set()
-
-    @property
-    def pending(self) -> int:
-        """Requests in flight plus answers not yet read: what the window bounds."""
-        return len(self.tasks) + self.responses.qsize()
 
     async def answers(self, request_iterator) -> AsyncIterator[pb.ModelStreamInferResponse]:
         reader = asyncio.get_running_loop().create_task(self._read(request_iterator))
@@ -93,7 +89,8 @@ class InferStream:
     async def _parsed(self, data: bytes) -> pb.ModelInferRequest | None:
         """The message, or None once its failure is on the stream."""
         try:
-            msg = parse_request(pb.ModelInferRequest.FromString, data)
+            msg = await decode_off_loop(functools.partial(parse_request, pb.ModelInferRequest.FromString), data,
+                                        len(data))
         except UndecodableRequest as exc:
             log.info("stream_request_failed", status=exc.kind.value, reason=str(exc))
             await self._fail(pb.ModelInferRequest(), exc.kind, str(exc))
