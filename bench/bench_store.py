@@ -11,7 +11,9 @@ empty folder:
   oras     the oras Python library's pull of the same tag into an empty folder
 
 and reports MB/s of each (median over --rounds) and their ratio
-(goal: modeld >= 0.9x oras). Writes bench/results/store.json.
+(goal: modeld >= 0.9x oras). The pull threads run at --nice (default 0,
+oras's own priority; the daemon runs them at 10, which on a busy machine
+yields the CPU to serving). Writes bench/results/store.json.
 
     .venv/bin/python bench/bench_store.py [--size 256] [--rounds 5]
 """
@@ -37,13 +39,18 @@ RESULTS = ROOT / "bench" / "results"
 from store_servers import start_registry  # noqa: E402
 
 from modeld.server.store import ModelStore, OciSettings, StoreSettings  # noqa: E402
+from modeld.server.store import cache as store_cache  # noqa: E402
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=256, help="MiB of the weight file")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--nice", type=int, default=0,
+                        help="the pull threads' nice (the daemon's is 10, so serving goes first; 0 here races "
+                             "oras at the same priority)")
     args = parser.parse_args()
+    store_cache.PULL_NICE = args.nice
     started = datetime.now(timezone.utc)
     with tempfile.TemporaryDirectory(prefix="bench-store-") as tmp:
         root = Path(tmp)
@@ -95,6 +102,7 @@ def main() -> int:
     print(f"  ratio modeld/oras = {ratio:.2f} (goal >= 0.9)")
     RESULTS.mkdir(parents=True, exist_ok=True)
     record = {"started": started.isoformat(timespec="seconds"), "machine": platform.platform(),
+              "load_average": os.getloadavg(), "pull_nice": args.nice,
               "cpus": os.cpu_count(), "bytes": nbytes, "rounds": args.rounds, "seconds": times,
               "mb_per_s": mbps, "ratio_modeld_over_oras": ratio}
     (RESULTS / "store.json").write_text(json.dumps(record, indent=2) + "\n")
