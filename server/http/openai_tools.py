@@ -187,8 +187,24 @@ def tool_fields(body: dict, parser: ToolParser) -> ToolFields:
     constraint = None
     if choice in (ToolChoice.REQUIRED, ToolChoice.NAMED):
         chosen = tuple(t for t in tools if t.name == named) if named else tools
+        for tool in chosen:
+            _check_enforceable(tools.index(tool), tool, choice)
         constraint = Constraint(ConstraintKind.LARK, call_grammar(parser, chosen, parallel))
     return ToolFields(tools, choice, parallel, constraint)
+
+
+def _check_enforceable(index: int, tool: ToolSpec, choice: ToolChoice) -> None:
+    """A schema the grammar engine cannot enforce (a look-around pattern, a
+    remote $ref) is refused naming its function, not as the whole grammar."""
+    if not tool.parameters_json:
+        return
+    import llguidance
+
+    problem = llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("json_schema", tool.parameters_json))
+    if problem:
+        where = f"tools[{index}].function.parameters"
+        raise FieldError(where, f"{where} cannot be enforced for tool_choice {choice.value}: "
+                                f"{problem.strip().splitlines()[-1][:200]}")
 
 
 def _tools(value: object) -> tuple[ToolSpec, ...]:
