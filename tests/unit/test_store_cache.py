@@ -369,3 +369,32 @@ def test_a_model_larger_than_the_whole_budget_evicts_nothing(tmp_path):
     with pytest.raises(ResourceExhausted, match="more than the model store's whole cache budget"):
         cache.pull(listing("huge", {"model.onnx": b"h" * 1001})[0])
     assert folder.exists()
+
+
+def test_s3_objects_under_a_prefix_are_the_model_folder_and_faults_are_named(tmp_path, monkeypatch):
+    from modeld.backends.errors import NotFound
+    from modeld.server.store import S3Settings
+    from store_servers import S3_ENV, start_s3
+
+    for key, value in S3_ENV.items():
+        monkeypatch.setenv(key, value)
+    s3 = start_s3()
+    try:
+        folder = tmp_path / "model"
+        (folder / "sub").mkdir(parents=True)
+        (folder / "model.onnx").write_bytes(b"graph")
+        (folder / "sub" / "tokenizer.json").write_bytes(b"{}")
+        s3.upload("models", "m/v1/", folder)
+        store = ModelStore(StoreSettings(tmp_path / "cache", 10_000,
+                                         s3=S3Settings(endpoint=s3.endpoint, addressing_style="path")))
+        pulled = store.pull_sync("s3://models/m/v1")
+        assert (pulled.folder / "model.onnx").read_bytes() == b"graph"
+        assert (pulled.folder / "sub" / "tokenizer.json").read_bytes() == b"{}"
+        again = store.pull_sync("s3://models/m/v1/")  # the same objects (ETags): the same cached folder
+        assert again.folder == pulled.folder and again.identity == pulled.identity
+        with pytest.raises(NotFound, match="no objects under that prefix"):
+            store.pull_sync("s3://models/m/v2/")
+        with pytest.raises(NotFound, match="NoSuchBucket"):
+            store.pull_sync("s3://no-bucket/m/")
+    finally:
+        s3.stop()
