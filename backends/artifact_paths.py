@@ -71,12 +71,16 @@ def scrub_paths(text: str, folders: tuple[Path, ...] = ()) -> str:
 
 
 _HTTP_METHODS = ("GET ", "POST ", "PUT ", "DELETE ", "HEAD ", "PATCH ")
+# the routes remote engines answer on (backends/remote), named in their errors
+_ROUTE_RE = re.compile(r"/(v\d+|generate|generate_stream|health|metrics|info|tokenize|detokenize|extras|"
+                       r"get_model_info|openapi\.json)(/|$)")
 
 
 def _scrubbed(match: re.Match, text: str) -> str:
     found = match.group()
-    # "/" alone, or a remote engine's route ("GET /v1/models"), is no file
-    if found == "/" or text[max(0, match.start() - 7):match.start()].endswith(_HTTP_METHODS):
+    # "/" alone, or a remote engine's route ("GET /v1/models", "(/health)"), is no file
+    if (found == "/" or _ROUTE_RE.match(found)
+            or text[max(0, match.start() - 7):match.start()].endswith(_HTTP_METHODS)):
         return found
     return f"…/{_last_part(found)}"
 

@@ -115,6 +115,9 @@ def test_absolute_paths_are_scrubbed_from_runtime_messages(tmp_path):
     assert scrub_paths(text, (folder,)) == ("Load model from model.onnx failed: see …/passwd (GET /v1/models) "
                                             "http://h:1/a/b")
     assert scrub_paths(f"cannot read {Path('/x/y')}: 3/4 done") == "cannot read …/y: 3/4 done"
+    # a remote engine's routes are no machine paths
+    assert scrub_paths("the tgi engine at http://h:1 (/generate_stream) failed") == (
+        "the tgi engine at http://h:1 (/generate_stream) failed")
 
 
 def test_the_settings_become_the_policy_every_load_gets(tmp_path):
