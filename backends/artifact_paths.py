@@ -59,6 +59,23 @@ def resolve_inside(model: str, folder: Path, name: object, field: str) -> Path:
     return target
 
 
+def check_tokenizer_config(model: str, folder: Path) -> None:
+    """A Hugging Face folder's tokenizer_config.json keys that name a file
+    (tokenizer_file, vocab_file, merges_file, ...) resolved inside the
+    folder: transformers opens what they name in place of the folder's own
+    files. A file that cannot be read is left to transformers to report."""
+    import json
+
+    path = folder / "tokenizer_config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        return
+    for key, value in (data.items() if isinstance(data, dict) else ()):
+        if key.endswith("_file") and isinstance(value, str) and value:
+            resolve_inside(model, folder, value, f"tokenizer_config.json key {key}")
+
+
 def scrub_paths(text: str, folders: tuple[Path, ...] = ()) -> str:
     """`text` (a runtime's message) with every absolute path taken out: the
     model folders' own prefix dropped (so their files read relative), any

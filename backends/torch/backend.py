@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
+from modeld.backends.artifact_paths import check_tokenizer_config
 from modeld.backends.base import Backend, Capability, GenerativeModel, Verdict
 from modeld.backends.compute_thread import COMPUTE_THREAD
 from modeld.backends.errors import LoadFailed
@@ -216,6 +217,7 @@ def load_tokenizer(config: ModelConfig, model_dir: Path):
     if config.format is ModelFormat.GGUF:
         path = (model_dir / config.artifact_path).resolve()
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    check_tokenizer_config(config.name, model_dir)  # its *_file keys name what transformers opens
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 

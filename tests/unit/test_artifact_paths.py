@@ -130,3 +130,15 @@ def test_the_scan_finds_what_onnx_itself_finds_in_a_function_and_training_graph(
     (tmp_path / "model.onnx").write_bytes(model.SerializeToString())
     with pytest.raises(ArtifactPathError, match="tensor 'in_function' external data location '../f.bin'"):
         check_model_file("m", tmp_path, tmp_path / "model.onnx")
+
+
+def test_a_tokenizer_config_naming_a_file_outside_is_refused(tmp_path):
+    from modeld.backends.artifact_paths import check_tokenizer_config
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_file": "/etc/passwd", "model_max_length": 8}))
+    with pytest.raises(ArtifactPathError, match="tokenizer_config.json key tokenizer_file is an absolute path"):
+        check_tokenizer_config("m", tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_file": "tokenizer.json", "x_file": None}))
+    check_tokenizer_config("m", tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    check_tokenizer_config("m", tmp_path)  # transformers reports an unreadable config itself
