@@ -11,12 +11,12 @@ keeps serving what it has when the store is down.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-import anyio
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -156,7 +156,26 @@ class ModelStore:
         if running is not None:
             return running
         progress = Progress()
-        future = asyncio.ensure_future(anyio.to_thread.run_sync(self.pull_sync, text, progress))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def settle(outcome: object, failed: bool) -> None:
+            if not future.done():
+                future.set_exception(outcome) if failed else future.set_result(outcome)
+
+        def run() -> None:
+            try:
+                outcome, failed = self.pull_sync(text, progress), False
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting loop
+                outcome, failed = exc, True
+            try:
+                loop.call_soon_threadsafe(settle, outcome, failed)
+            except RuntimeError:
+                pass  # the loop has closed: the daemon is gone, nobody waits
+
+        # a daemon thread (not the loop's thread pool, which exit waits for):
+        # a daemon stopped mid-pull exits, the partial file kept for a resume
+        threading.Thread(target=run, name="modeld-pull-model", daemon=True).start()
         self._pulls[text] = (future, progress)
 
         def finished(done: asyncio.Future) -> None:

@@ -27,7 +27,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -122,6 +121,43 @@ def lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PULL_NICE)  # Linux: per thread
     except (AttributeError, OSError):
         pass  # elsewhere, or not allowed: at the daemon's own priority
+
+
+def run_parallel(fn: Callable, items: list, parallel: int) -> list:
+    """fn over items on up to `parallel` daemon threads at a lower priority,
+    results in order; the first failure is raised once all have stopped.
+    Daemon threads, not an executor's: a daemon shutting down mid-pull exits
+    instead of waiting for the download (the interpreter joins executors)."""
+    results: list = [None] * len(items)
+    failures: list[BaseException] = []
+    todo = iter(enumerate(items))
+    lock = threading.Lock()
+
+    def work() -> None:
+        lower_priority()
+        while True:
+            with lock:
+                if failures:
+                    return
+                try:
+                    i, item = next(todo)
+                except StopIteration:
+                    return
+            try:
+                results[i] = fn(item)
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread below
+                with lock:
+                    failures.append(exc)
+                return
+    threads = [threading.Thread(target=work, name="modeld-pull", daemon=True)
+               for _ in range(max(1, min(parallel, len(items))))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        raise failures[0]
+    return results
 
 
 class _Digests:
@@ -287,10 +323,9 @@ class BlobCache:
             for f in listing.files:
                 if f not in missing:
                     digests[f.path] = f.digest
-            with ThreadPoolExecutor(max_workers=max(1, min(self.parallel, len(missing))),
-                                    thread_name_prefix="modeld-pull", initializer=lower_priority) as pool:
-                for f, digest in zip(missing, pool.map(lambda f: self._fetch(listing, f, progress, pins), missing)):
-                    digests[f.path] = digest
+            fetched = run_parallel(lambda f: self._fetch(listing, f, progress, pins), missing, self.parallel)
+            for f, digest in zip(missing, fetched):
+                digests[f.path] = digest
             entry = Entry(entry_id, listing.uri, listing.identity, {f.path: digests[f.path] for f in listing.files},
                           dict(listing.hints), time.time())
             self._materialise(entry)
