@@ -222,11 +222,15 @@ class GenerationLoop:
             with self._lock:
                 plan = self.scheduler.schedule(drafts)
             if plan.work or plan.kv_ops:
+                doing = "computing constraint masks"
+                masks = self._start_masks(plan)
                 doing = "running the model"
                 logits = self.runner.run(plan)
                 self._count(plan)
+                doing = "computing constraint masks"
+                masks = masks.result() if masks is not None else {}
                 doing = "sampling"
-                results = self._sample(plan, logits)
+                results = self._sample(plan, logits, masks)
         except Exception as exc:  # a runtime fault: fail the sequences in it, keep serving
             log.exception("generation_step_failed", stage=doing)
             failed = SeqResult(finish_reason=FinishReason.ERROR, error_kind=ErrorKind.UNAVAILABLE,
@@ -281,7 +285,8 @@ class GenerationLoop:
 
     # -- results ---------------------------------------------------------------
 
-    def _sample(self, plan: StepPlan, logits: np.ndarray) -> dict[int, SeqResult]:
+    def _sample(self, plan: StepPlan, logits: np.ndarray,
+                masks: dict[int, np.ndarray] | None = None) -> dict[int, SeqResult]:
         results: dict[int, SeqResult] = {}
         live: list[tuple[Sequence, SeqWork, np.ndarray]] = []
         row = 0
@@ -293,22 +298,29 @@ class GenerationLoop:
             seq = self._sequences.get(work.seq_id)
             if seq is not None and not seq.is_cancelled:
                 live.append((seq, work, rows))
-        masks = self._masks(live)
+        masks = masks or {}
         for seq, work, rows in live:
             results[work.seq_id] = self._result(seq, work, rows, masks.get(seq.seq_id))
         return results
 
-    def _masks(self, live: list[tuple[Sequence, SeqWork, np.ndarray]]) -> dict[int, np.ndarray]:
+    def _start_masks(self, plan: StepPlan):
+        """The step's constraint masks, computed while the model runs: they
+        depend only on each matcher's state and the plan's drafts, both
+        known before the forward pass, and llguidance releases the GIL."""
+        items, owners, num_rows = [], [], 0
+        for work in plan.work:
+            seq = self._sequences.get(work.seq_id)
+            if work.num_logits and seq is not None and seq.matcher is not None and not seq.is_cancelled:
+                items.append((seq.matcher, num_rows, _drafts(work)))
+                owners.append((seq.seq_id, num_rows, work.num_logits))
+                num_rows += work.num_logits
+        if not items:
+            return None
+        return _MASK_THREAD.submit(self._masks, items, owners, num_rows)
+
+    def _masks(self, items: list, owners: list, num_rows: int) -> dict[int, np.ndarray]:
         """The allowed tokens [rows, vocab] of every constrained sequence in
         the step, from one batched llguidance call."""
-        items, owners, num_rows = [], [], 0
-        for seq, work, rows in live:
-            if seq.matcher is not None:
-                items.append((seq.matcher, num_rows, list(_drafts(work))))
-                owners.append((seq.seq_id, num_rows, rows.shape[0]))
-                num_rows += rows.shape[0]
-        if not items:
-            return {}
         compiler = self.constraints
         bits = compiler.fill_masks(items, num_rows)
         started = time.perf_counter()
@@ -449,6 +461,8 @@ class GenerationLoop:
 
 
 _NO_IDS = np.zeros(0, dtype=np.int64)
+# where a step's masks are computed beside its forward pass (llguidance fans out to its own threads)
+_MASK_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modeld-masks")
 
 
 def _drafts(work: SeqWork) -> list[int]:

@@ -132,10 +132,15 @@ class TorchExecutor(StepExecutor):
         return token_id in self.eos
 
     def special_token_bytes(self, token_id: int) -> bytes:
-        token = self.tokenizer.convert_ids_to_tokens(token_id)
-        if token is not None and token in self.tokenizer.all_special_tokens:
-            return token.encode("utf-8")
+        if token_id in self._special_ids():
+            return (self.tokenizer.convert_ids_to_tokens(token_id) or "").encode("utf-8")
         return self.token_bytes(token_id)
+
+    def _special_ids(self) -> frozenset[int]:
+        special = getattr(self, "_special", None)
+        if special is None:  # the tokenizer builds this list anew on each read
+            special = self._special = frozenset(self.tokenizer.all_special_ids)
+        return special
 
     def end_of_generation_ids(self) -> np.ndarray:
         return np.array(sorted(self.eos), dtype=np.int64)

@@ -188,6 +188,19 @@ def test_json_object_mode_gives_an_object(model):
     assert isinstance(json.loads(text), dict)
 
 
+def test_special_tokens_and_stop_text_when_asked(model):
+    ask = (ChatMessage("user", "Say hello."),)
+
+    async def go():
+        plain = await _generate(model, messages=ask, max_tokens=48)
+        spelled = await _generate(model, messages=ask, max_tokens=48, skip_special_tokens=False,
+                                  include_stop_str_in_output=True)
+        return plain, spelled
+    (plain_tokens, plain, final), (tokens, spelled, _) = _run(model, go)
+    assert tokens == plain_tokens and final.finish_reason is FinishReason.STOP  # ended on its end-of-turn token
+    assert "<|im_end|>" not in plain and spelled == plain + "<|im_end|>"
+
+
 def test_n_identical_prompts_compute_the_prompt_once(model):
     # a prompt no other test sends: nothing of it is cached before
     system = f"Session {model.backend_name}-n4. You are a careful assistant. Answer in one short sentence. " * 3
@@ -245,7 +258,7 @@ def _raw_logits(model, ids: list[int]) -> np.ndarray:
     dict(frequency_penalty=2.0, presence_penalty=2.0),
     dict(repetition_penalty=1.9),
     dict(logit_bias=((11, 9.0), (28, 7.0)), frequency_penalty=0.5),
-    dict(min_tokens=6, logit_bias=((2, 100.0), (0, 100.0))),  # end tokens pushed up and still held back
+    dict(min_tokens=6),  # with the end tokens pushed up by logit_bias, and still held back
 ])
 def test_penalties_pick_what_the_formula_says_from_the_backends_logits(model, params):
     """Greedy under the processors equals, token by token, the argmax of the
@@ -255,13 +268,15 @@ def test_penalties_pick_what_the_formula_says_from_the_backends_logits(model, pa
     from sampling_reference import reference
 
     prompt = "1 1 1 1 1 1 1 1"  # the model repeats it unless penalised
+    end_ids = model.runner.end_of_generation_ids()
+    if "min_tokens" in params:
+        params = {**params, "logit_bias": tuple((int(t), 100.0) for t in end_ids)}
     sampling = SamplingParams(max_tokens=6, **params)
 
     async def go():
         return await _generate(model, prompt=prompt, cache_prompt=False, max_tokens=6, **params)
     got, _, _ = _run(model, go)
     ids = model.tokenize(prompt)
-    end_ids = model.runner.end_of_generation_ids()
     assert len(got) == 6 if "min_tokens" in params else got  # without it the model may end early
     changed = 0
     for i, token in enumerate(got):
