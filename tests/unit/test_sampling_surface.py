@@ -137,3 +137,17 @@ def test_constraints_compile_once_and_openai_wrapper_is_unwrapped(compiler):
     ids = tokenizer.tokenize_str('{"a": 12}')
     assert first.consume_tokens(ids) and first.is_accepting()
     assert second.try_consume_tokens(tokenizer.tokenize_str('{"b"')) < 2  # its own state, and the schema holds
+
+
+def test_every_new_field_crosses_the_worker_boundary():
+    """A request reaches a worker process as a frame (server/workers/frames.py)."""
+    from modeld.backends.generation.params import GenerateRequest
+    from modeld.server.workers.frames import decode_bytes, encode_bytes
+
+    params = SamplingParams(max_tokens=40, presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.1,
+                            logit_bias=((3, -2.0), (9, 1.5)), min_tokens=4, skip_special_tokens=False,
+                            include_stop_str_in_output=True, stop_token_ids=(7,),
+                            constraint=Constraint(ConstraintKind.JSON_SCHEMA, '{"type": "object"}'))
+    request = GenerateRequest("m", prompt="hi", params=params)
+    message, used = decode_bytes(encode_bytes(("generate", request)))
+    assert message == ("generate", request) and message[1].params.constraint.kind is ConstraintKind.JSON_SCHEMA
