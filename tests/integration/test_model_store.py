@@ -113,7 +113,7 @@ def served(stores):
     (repository / "scale" / "model.toml").write_text(f'source = "{registry.uri("models/scale", "v1")}"\n'
                                                      'served_names = ["scale-stable"]\n')
     settings = root / "modeld.toml"
-    settings.write_text(f'store_cache_dir = "{root / "cache"}"\nstore_cache_budget = "64MiB"\n'
+    settings.write_text(f'shutdown_grace_s = 1\nstore_cache_dir = "{root / "cache"}"\nstore_cache_budget = "64MiB"\n'
                         f'store_oci_plain_http = ["{registry.host}"]\n'
                         f'store_s3_endpoint = "{s3.endpoint}"\nstore_s3_addressing_style = "path"\n')
     daemon = start_daemon("--config", str(settings), repository=repository,
@@ -315,3 +315,27 @@ def test_served_names_reach_their_model(served):
     with pytest.raises(InferenceServerException) as unknown:
         infer(client, "no-such-alias")
     assert unknown.value.status() == "StatusCode.NOT_FOUND"
+
+
+
+def test_last_a_daemon_stopped_mid_pull_exits_and_serves_nothing_half_written(served):
+    """Stops the module's daemon: keep this test last in the file."""
+    daemon, client, _, root, hub = served
+    folder = model_folder(root / "hub" / "org" / "held", [7, 7, 7, 7], toml=False)
+    hub.hold, hub.hold_file, hub.hold_after = threading.Event(), "model.onnx", 50
+    loader = threading.Thread(target=lambda: pytest.raises(InferenceServerException, client.load_model, "held",
+                                                           config=json.dumps({"source": "hf://org/held"})))
+    loader.start()
+    try:
+        wait_until(lambda: any(m["name"] == "held" and m.get("state") == "PULLING"
+                               for m in client.get_model_repository_index(as_json=True)["models"]),
+                   what="held to be PULLING")
+        assert daemon.stop(timeout=30) == 0  # the grace period (1 s), not the download, bounds the exit
+    finally:
+        hub.hold.set()
+        loader.join()
+        hub.hold = None
+    # nothing half-written became a model: a partial file at most, for the next pull to resume
+    assert all(p.stat().st_size <= 50 for p in (root / "cache" / "partial").glob("*.part"))
+    uris = [json.loads(p.read_text())["uri"] for p in (root / "cache" / "models").glob("*.json")]
+    assert "hf://org/held" not in uris and folder.exists()
