@@ -104,7 +104,7 @@ def test_parse_with_a_pydantic_model_returns_a_validated_object(client):
 @pytest.mark.slow
 def test_a_json_schema_with_nested_objects_arrays_and_enums_holds(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-    answer = client.chat.completions.create(
+    answer = client.with_options(timeout=600).chat.completions.create(
         model=MODEL, max_tokens=160, temperature=0.8, seed=7, n=3, response_format=fmt,
         messages=[{"role": "user", "content": "Invent a person as JSON."}])
     assert len(answer.choices) == 3
