@@ -12,8 +12,9 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from modeld.backends.errors import Cancelled, InvalidArgument, Unavailable
+from modeld.backends.errors import Cancelled, InvalidArgument, NotFound, Unavailable
 from modeld.backends.generation.params import FinalEvent, FinishReason, GenerateRequest, TokenEvent
+from modeld.backends.model_config import ToolParser
 from modeld.server.dataplane import DataPlane
 from modeld.server.http.common import unless_client_leaves
 from modeld.server.http.openai_fields import FieldError, error_response, model_name, priority
@@ -172,15 +173,19 @@ class _Generation:
     def _read_tools(self, plane: DataPlane, body: dict, fields: GenerationFields):
         """The tool fields, and the sampling parameters with the grammar of a
         required call; the model's config says how its answers are read."""
-        config = plane.model_config(self.model)
-        self.tools = tool_fields(body, config.tool_parser)
-        self.tool_parser = config.tool_parser if self.tools.reads_calls else None
-        self.reasoning_parser = config.reasoning_parser
+        try:
+            config = plane.model_config(self.model)
+            tool_parser, self.reasoning_parser = config.tool_parser, config.reasoning_parser
+        except NotFound:  # the generation says so in its own words (a name the engine resolves otherwise, say)
+            tool_parser, self.reasoning_parser = ToolParser.HERMES, None
+        self.tools = tool_fields(body, tool_parser)
+        self.tool_parser = tool_parser if self.tools.reads_calls else None
         if self.tools.constraint is None:
             return fields.params
         if fields.params.constraint is not None:
             raise FieldError("tool_choice", f"tool_choice {self.tools.choice.value} constrains the answer to a call "
                                             f"and {fields.constraint_field} constrains it too; send one of them")
+        self.constraint_field = "tool_choice"  # a grammar the engine refuses names the field it came from
         return replace(fields.params, constraint=self.tools.constraint)
 
     def _reader(self) -> AnswerReader:
