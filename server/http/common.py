@@ -84,7 +84,8 @@ def _infer_model(request: Request) -> str:
 
 async def read_body(request: Request) -> bytes:
     """The request body, decompressed (gzip or deflate, as tritonclient can
-    send it), refused as soon as it passes max_message_bytes."""
+    send it), refused as soon as it passes max_message_bytes, and on an
+    inference route as soon as it passes its model's request size cap."""
     limit = getattr(request.app.state, "max_message_bytes", None)
     plane, model = getattr(request.app.state, "plane", None), _infer_model(request)
     declared = request.headers.get("content-length", "")
