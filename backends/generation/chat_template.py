@@ -34,6 +34,7 @@ MAX_TEMPLATE_BYTES = 256 * 1024
 def _environment():
     import jinja2
     import jinja2.ext
+    import jinja2.utils
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(jinja2.ext.Extension):
@@ -57,8 +58,29 @@ def _environment():
         # jinja's own tojson escapes <, > and & for HTML, which templates never want
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
+    class Namespace(jinja2.utils.Namespace):
+        """`namespace()` without underscore names, which could reach
+        Python's internals through the object the sandbox hands back."""
+
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a namespace attribute may not start with '_': {name!r}")
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[Generation, jinja2.ext.loopcontrols])
+    env.globals["namespace"] = Namespace
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
