@@ -19,6 +19,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def _die_with_parent() -> None:
+    # a test run killed from outside (a timeout, ^C twice) skips its fixtures'
+    # teardown; without this its daemons and their workers stay up and hold
+    # gigabytes until someone finds them. SIGKILL, not SIGTERM: with the test
+    # gone, the daemon's stderr pipe is closed and a graceful drain that logs
+    # can stall on it; its workers follow it by their own death signal.
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
 @dataclass
 class DaemonProcess:
     """A `modeld serve` subprocess on a free loopback port."""
@@ -89,7 +100,8 @@ def start_daemon(*args: str, repository: Path | None = MODELS, env: dict | None 
     if repository is not None:
         cmd += ["--model-repository", str(repository)]
     proc = subprocess.Popen(cmd + list(args), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ, **(env or {})}, cwd=ROOT)
+                            env={**os.environ, **(env or {})}, cwd=ROOT,
+                            preexec_fn=_die_with_parent)
     daemon = DaemonProcess(proc)
     started = threading.Event()
     threading.Thread(target=_pump, args=(daemon, started), daemon=True).start()
@@ -99,7 +111,11 @@ def start_daemon(*args: str, repository: Path | None = MODELS, env: dict | None 
             proc.kill()
             raise RuntimeError("daemon did not start:\n" + "".join(daemon._lines[-30:]))
     if wait_for_preload and "--no-preload" not in args:
-        _wait_preloaded(daemon, repository, deadline)
+        try:
+            _wait_preloaded(daemon, repository, deadline)
+        except RuntimeError:
+            proc.kill()
+            raise
     return daemon
 
 
@@ -121,7 +137,8 @@ def start_gateway(*nodes: str, args: tuple[str, ...] = (), env: dict | None = No
     for node in nodes:
         cmd += ["--node", node]
     proc = subprocess.Popen(cmd + list(args), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ, **(env or {})}, cwd=ROOT)
+                            env={**os.environ, **(env or {})}, cwd=ROOT,
+                            preexec_fn=_die_with_parent)
     gateway = DaemonProcess(proc)
     started = threading.Event()
     threading.Thread(target=_pump, args=(gateway, started, "gateway_started"), daemon=True).start()
