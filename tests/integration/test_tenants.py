@@ -32,6 +32,7 @@ SLOW_GRPC = "grpc-" + secrets.token_urlsafe(24)  # tenant delta: the same over g
 OTHER = "other-" + secrets.token_urlsafe(24)    # tenant beta: 1000 calls per second
 METERED = "meter-" + secrets.token_urlsafe(24)  # tenant gamma: smollm2 only, 1 generated token per minute
 PLAIN = "plain-" + secrets.token_urlsafe(24)    # no tenant: no limits, as before tenants
+NARROW = "narrow-" + secrets.token_urlsafe(24)  # tenant epsilon: model plus only, no quotas
 MODEL = "plus"
 
 
@@ -53,6 +54,7 @@ def daemon(tmp_path_factory):
         f"{SLOW_GRPC} infer tenant=delta rps=0.001 burst=2\n"
         f"{OTHER} infer tenant=beta rps=1000 burst=1000\n"
         f"{METERED} infer tenant=gamma models=smollm2,{MODEL} tokens_per_minute=1\n"
+        f"{NARROW} infer tenant=epsilon models={MODEL}\n"
         f"{PLAIN} admin\n")
     repo = tmp_path_factory.mktemp("repo")
     (repo / MODEL).mkdir()
@@ -160,3 +162,20 @@ def test_generated_tokens_per_minute_are_charged_as_they_stream(daemon):
         assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
     assert _metric(daemon, "modeld_tenant_generated_tokens_total", tenant="gamma") == generated
     assert _metric(daemon, "modeld_tenant_refusals_total", tenant="gamma", reason="tokens_per_minute") == 2
+
+
+def test_each_message_of_a_stream_is_checked_against_the_tenant_s_models(daemon):
+    def requests(names):
+        for name in names:
+            yield pb.ModelInferRequest(model_name=name, inputs=[pb.ModelInferRequest.InferInputTensor(
+                name="x", datatype="FP32", shape=[1, 4])], raw_input_contents=[np.ones((1, 4), np.float32).tobytes()])
+
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        replies = list(stub.ModelStreamInfer(requests([MODEL, MODEL]), metadata=_grpc_md(NARROW), timeout=60))
+        assert [r.error_message for r in replies] == ["", ""]
+        assert [np.frombuffer(r.infer_response.raw_output_contents[0], np.float32).tolist() for r in replies] == \
+            [[2.0] * 4] * 2
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.ModelStreamInfer(requests([MODEL, "minilm"]), metadata=_grpc_md(NARROW), timeout=60))
+        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
