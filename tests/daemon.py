@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -28,6 +29,17 @@ def _die_with_parent() -> None:
     import ctypes
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
+# The death signal follows the thread that forked, not the process: a daemon
+# started from a test's thread pool would die when that pool closes. Every
+# start forks from this one thread, which lives as long as the test run.
+_SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-daemon-spawner")
+
+
+def _spawn(cmd: list[str], env: dict | None) -> subprocess.Popen:
+    return _SPAWNER.submit(subprocess.Popen, cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                           env={**os.environ, **(env or {})}, cwd=ROOT, preexec_fn=_die_with_parent).result()
 
 
 @dataclass
@@ -99,9 +111,7 @@ def start_daemon(*args: str, repository: Path | None = MODELS, env: dict | None 
            "--metrics-port", "0", "--log-format", "json"]
     if repository is not None:
         cmd += ["--model-repository", str(repository)]
-    proc = subprocess.Popen(cmd + list(args), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ, **(env or {})}, cwd=ROOT,
-                            preexec_fn=_die_with_parent)
+    proc = _spawn(cmd + list(args), env)
     daemon = DaemonProcess(proc)
     started = threading.Event()
     threading.Thread(target=_pump, args=(daemon, started), daemon=True).start()
@@ -136,9 +146,7 @@ def start_gateway(*nodes: str, args: tuple[str, ...] = (), env: dict | None = No
            "--log-format", "json"]
     for node in nodes:
         cmd += ["--node", node]
-    proc = subprocess.Popen(cmd + list(args), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ, **(env or {})}, cwd=ROOT,
-                            preexec_fn=_die_with_parent)
+    proc = _spawn(cmd + list(args), env)
     gateway = DaemonProcess(proc)
     started = threading.Event()
     threading.Thread(target=_pump, args=(gateway, started, "gateway_started"), daemon=True).start()
