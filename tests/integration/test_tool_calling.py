@@ -48,7 +48,8 @@ THINK_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content
 @pytest.fixture(scope="module")
 def own(tmp_path_factory):
     """A daemon of this module's own: smollm2 on llama.cpp, and the same
-    weights with a chat_template file and reasoning_parser in model.toml."""
+    weights with a chat_template file and reasoning_parser in model.toml, and
+    on the torch runtime."""
     root = tmp_path_factory.mktemp("repo")
     gguf = (MODELS / "smollm2" / "model.gguf").resolve()
     for name, extra in (("smollm2", ""), ("smollm2-think", 'chat_template = "chat.jinja"\n'
@@ -59,7 +60,13 @@ def own(tmp_path_factory):
             f'format = "gguf"\nbackends = ["llamacpp"]\nartifact = "model.gguf"\n{extra}'
             "[llamacpp]\nn_ctx = 4096\nn_slots = 2\ncontext_length = 2048\nn_threads = 2\n")
     (root / "smollm2-think" / "chat.jinja").write_text(THINK_TEMPLATE)
-    daemon = start_daemon(repository=root)
+    (root / "smollm2-torch").mkdir()
+    (root / "smollm2-torch" / "model.gguf").symlink_to(gguf)
+    (root / "smollm2-torch" / "model.toml").write_text(
+        'format = "gguf"\nbackends = ["torch"]\nartifact = "model.gguf"\n'
+        "[torch]\ndtype = \"float32\"\ncompile = false\nnum_blocks = 64\ncontext_length = 1024\n")
+    # each model loads on its first request: the torch one only for its test
+    daemon = start_daemon("--no-preload", repository=root)
     yield daemon
     daemon.stop()
 
@@ -122,6 +129,7 @@ def test_streamed_calls_assembled_by_the_sdk_equal_the_whole_answer(client):
     assert all(f.id is None and f.function.name is None for f in fragments[1:])
 
 
+@pytest.mark.slow  # three long prompts; the history's rendering is unit-tested (test_chat_template)
 def test_a_tool_result_carries_into_the_next_turn(client):
     first = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=96,
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}},
@@ -152,6 +160,7 @@ def test_auto_reads_the_models_own_tool_call_text(client):
     assert streamed == call.function.arguments
 
 
+@pytest.mark.slow
 def test_tool_choice_none_leaves_the_answer_as_text(client):
     regex = r'<tool_call>\{"name": "get_time", "arguments": \{\}\}</tool_call>'
     message = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, tool_choice="none",
@@ -183,14 +192,13 @@ def test_reasoning_is_split_from_the_content(client):
     assert "".join(d.content or "" for d in chunks) == message.content
 
 
-# -- the torch runtime, on the session daemon ----------------------------------------------------
+# -- the torch runtime ----------------------------------------------------------------------------
 
 
-def test_torch_gives_a_required_call_valid_for_its_schema(daemon):
-    with openai.OpenAI(base_url=f"{daemon.http_url}/v1", api_key="none", max_retries=0, timeout=600) as c:
-        answer = c.chat.completions.create(model="smollm2-torch", messages=ASK, tools=TOOLS, max_tokens=96,
-                                           tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                           temperature=0)
+def test_torch_gives_a_named_call_valid_for_its_schema(client):
+    answer = client.chat.completions.create(model="smollm2-torch", messages=ASK, tools=TOOLS, max_tokens=96,
+                                            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                            parallel_tool_calls=False, temperature=0)
     assert answer.choices[0].finish_reason == "tool_calls"
     _check_calls(answer.choices[0].message, {"get_weather"})
 
