@@ -361,7 +361,7 @@ def test_a_stream_that_cannot_start_answers_with_its_status(raw):
 def test_failures_are_counted_by_model_and_protocol(raw, daemon):
     labels = dict(model="smollm2", status="INVALID_ARGUMENT", protocol="http")
     before = _metric(daemon, "modeld_request_failures_total", default=0.0, **labels)  # none failed yet
-    _error(raw.post("/v1/chat/completions", json={**_BASE["/v1/chat/completions"], "n": 3}), 400)
+    _error(raw.post("/v1/chat/completions", json={**_BASE["/v1/chat/completions"], "n": 17}), 400)
     assert _metric(daemon, "modeld_request_failures_total", **labels) == before + 1
 
 
