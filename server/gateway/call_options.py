@@ -7,6 +7,7 @@ import grpc
 
 from modeld.server import tenants
 from modeld.server.gateway.failure import CallFailed
+from modeld.server.gateway.split import MAX_SESSION, SESSION_HEADER
 from modeld.server.request_context import REQUEST_ID_HEADER, new_request_id, usable_client_id
 
 REQUEST_TYPE_HEADER = "x-modeld-request-type"
@@ -30,12 +31,13 @@ class CallOptions:
     judges the client's token (the gateway's own token, --node-token-file,
     rides only on its health and Stats probes, never on a forwarded call)."""
 
-    __slots__ = ("metadata", "request_id", "update", "urgent", "kserve_timeout_s", "_context")
+    __slots__ = ("metadata", "request_id", "update", "urgent", "kserve_timeout_s", "session", "_context")
 
     def __init__(self, context: grpc.aio.ServicerContext) -> None:
         self._context = context
         self.kserve_timeout_s: float | None = None  # the request's own KServe `timeout`, once read
         metadata, request_id, self.update, self.urgent = [], None, False, False
+        self.session = ""  # the client's conversation, which keeps one target of a traffic split
         for key, value in context.invocation_metadata() or ():
             if key.startswith(":") or key in _DROPPED:
                 continue
@@ -43,6 +45,8 @@ class CallOptions:
                 self.update = _one_of(key, value, _REQUEST_TYPES) == "update"
             elif key == URGENCY_HEADER:
                 self.urgent = _one_of(key, value, _URGENCIES) in ("high", "critical")
+            elif key == SESSION_HEADER:
+                self.session = value[:MAX_SESSION]
             elif key == REQUEST_ID_HEADER:
                 request_id = usable_client_id(value)
                 continue

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from modeld.server.gateway.breaker import BreakerConfig
 from modeld.server.gateway.score import ScoreWeights
+from modeld.server.gateway.split import SplitConfigError, TrafficSplit, parse_splits
 
 
 class GatewayConfigError(ValueError):
@@ -55,6 +56,8 @@ class GatewaySettings:
     max_request_fields: int = 100_000    # top-level protobuf fields a request may have; more is RESOURCE_EXHAUSTED
     weights: ScoreWeights = field(default_factory=ScoreWeights)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    # [gateway.splits.<model>] target = weight: calls for <model> shared among targets (server/gateway/split.py)
+    splits: TrafficSplit = field(default_factory=TrafficSplit)
 
     def client_tls_files(self):
         from modeld.server.tls import TlsFiles
@@ -80,6 +83,8 @@ class GatewaySettings:
             security.append("mutual TLS for clients" if self.tls_client_ca else "TLS for clients")
         if self.auth_token_file:
             security.append("client tokens")
+        if self.splits:
+            security.append(f"traffic splits for {', '.join(sorted(self.splits.splits))}")
         return (f"gateway on {self.host}:{self.grpc_port}, {source}, {self.replicas} replicas per model, "
                 f"metrics on {self.metrics_port}" + "".join(f", {part}" for part in security))
 
@@ -219,7 +224,12 @@ def load_gateway_settings(flags: dict, config_file: Path | None = None) -> Gatew
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise GatewayConfigError(f"cannot read {config_file}: {exc}") from None
     nested = {name: table.pop(name) for name in list(table) if name in _SECTIONS}
+    raw_splits = table.pop("splits", None)
     values = _typed(GatewaySettings, {k: v for k, v in table.items()}, "gateway.")
+    try:
+        values["splits"] = parse_splits(raw_splits)
+    except SplitConfigError as exc:
+        raise GatewayConfigError(str(exc)) from None
     for name, cls in _SECTIONS.items():
         if name in nested:
             try:

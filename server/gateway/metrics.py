@@ -21,6 +21,8 @@ class GatewayMetrics:
                                    "1 half-open, 2 open", ["node"], registry=r)
         self.breaker_transitions = Counter("modeld_gateway_breaker_transitions", "Breaker state changes",
                                            ["node", "from_state", "to_state"], registry=r)
+        self.split_calls = Counter("modeld_gateway_split_calls", "Calls for a split model sent to one of its "
+                                   "targets", ["model", "target"], registry=r)
         self.hedges_fired = Counter("modeld_gateway_hedges_fired", "Hedged copies sent", ["model"], registry=r)
         self.hedges_won = Counter("modeld_gateway_hedges_won", "Hedged copies that answered first", ["model"],
                                   registry=r)

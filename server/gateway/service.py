@@ -111,6 +111,15 @@ class GatewayService:
     async def _model(self, data: bytes, field: int) -> str:
         return (await self._routing(data, field))[0]
 
+    def _split(self, data: bytes, field: int, model: str, opts: CallOptions) -> tuple[bytes, str]:
+        """The request retargeted when its model is split among others
+        ([gateway.splits]); as it came otherwise."""
+        target = self.settings.splits.choose(model, opts.session)
+        if target == model:
+            return data, model
+        self.metrics.split_calls.labels(model, target).inc()
+        return wire.with_string_field(data, field, target), target
+
     async def _call(self, node: Node, method: str, data: bytes, opts: CallOptions, model: str = "",
                     context=None, admitted: bool = True) -> bytes:
         """One unary call on `node`; `model` and `admitted` as NodeVisit takes them."""
@@ -223,8 +232,9 @@ class GatewayService:
     async def server_ready(self, data: bytes, context) -> bytes:
         return inference_pb2.ServerReadyResponse(ready=bool(self.fleet.routable())).SerializeToString()
 
-    def unary_by_field(self, service: str, name: str, field: int, hedgeable: bool = False):
-        """A unary method routed by the string field `field` (the model name)."""
+    def unary_by_field(self, service: str, name: str, field: int, hedgeable: bool = False, split: bool = True):
+        """A unary method routed by the string field `field` (the model name);
+        `split`: a split model's calls go to one of its targets."""
         method = f"/{service}/{name}"
 
         async def handler(data: bytes, context) -> bytes:
@@ -236,6 +246,8 @@ class GatewayService:
                     model, kserve_timeout = await self._routing(data, field, parameters=4 if hedgeable else 0)
                     if kserve_timeout:
                         opts.kserve_timeout_s = kserve_timeout / 1e6
+                    if split and self.settings.splits:
+                        data, model = self._split(data, field, model, opts)
                 else:
                     model = ""
                 hedge = hedgeable and not opts.update and (opts.urgent or model in self.settings.hedge_models)
@@ -329,7 +341,15 @@ class GatewayService:
             first = await anext(aiter(requests), None)
             if first is None:
                 return
-            node, _ = self.router.place(await self._model(first, 1), update=opts.update)
+            model = await self._model(first, 1)
+            if self.settings.splits:
+                # one target for the whole stream: its later requests for the
+                # split name follow the first one's draw
+                first, target = self._split(first, 1, model, opts)
+                if target != model:
+                    requests = self._retargeted(requests, model, target)
+                model = target
+            node, _ = self.router.place(model, update=opts.update)
         except CallFailed as exc:
             await exc.abort(context)
         tenant = tenants.current()
@@ -346,6 +366,12 @@ class GatewayService:
         finally:
             if metered:
                 tenant.end_stream()
+
+    async def _retargeted(self, requests: AsyncIterator[bytes], model: str, target: str) -> AsyncIterator[bytes]:
+        async for request in requests:
+            if await self._model(request, 1) == model:
+                request = wire.with_string_field(request, 1, target)
+            yield request
 
     async def _stream_to(self, node: Node, first: bytes, requests, opts: CallOptions, context):
         call = node.stream_stream(f"/{INFERENCE}/ModelStreamInfer")(metadata=opts.metadata, timeout=opts.timeout)
@@ -386,6 +412,8 @@ class GatewayService:
             except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
                 raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse the request: {exc}") from None
             opts = CallOptions(context)
+            if self.settings.splits:
+                data, request.model = self._split(data, 1, request.model, opts)
             if metered:
                 try:
                     tenant.start_stream()
@@ -426,7 +454,8 @@ class GatewayService:
             "ModelMetadata": uu(self.unary_by_field(INFERENCE, "ModelMetadata", 1)),
             "ModelInfer": uu(self.unary_by_field(INFERENCE, "ModelInfer", 1, hedgeable=True)),
             "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(self._stream_infer_guarded),
-            "ModelStatistics": uu(self.unary_by_field(INFERENCE, "ModelStatistics", 1)),
+            # statistics stay under each target's own name, never a draw
+            "ModelStatistics": uu(self.unary_by_field(INFERENCE, "ModelStatistics", 1, split=False)),
             "RepositoryIndex": uu(self.repository_index),
             "RepositoryModelLoad": uu(self.to_replicas("RepositoryModelLoad")),
             "RepositoryModelUnload": uu(self.to_replicas("RepositoryModelUnload")),

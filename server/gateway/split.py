@@ -9,8 +9,8 @@ A call with a session id (the `x-session-id` metadata or header) always
 goes to the same target while the weights stay the same, so one
 conversation never changes model midway; a call without one is drawn at
 random. The hook for the gateway's forwarding: `choose(model, session)`
-names the target, and `retarget_infer(data, target)` rewrites a
-ModelInferRequest's model name before it is forwarded.
+names the target, and the gateway's service rewrites the request's model
+field on the wire (`wire.with_string_field`) before forwarding it.
 """
 
 from __future__ import annotations
@@ -97,11 +97,3 @@ def parse_splits(raw: Any) -> TrafficSplit:
         splits[model] = Split(model, names, tuple(bounds))
     return TrafficSplit(splits)
 
-
-def retarget_infer(data: bytes, target: str) -> bytes:
-    """A serialized ModelInferRequest with its model_name set to `target`."""
-    from modeld.gen import inference_pb2
-
-    request = inference_pb2.ModelInferRequest.FromString(data)
-    request.model_name = target
-    return request.SerializeToString()

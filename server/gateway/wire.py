@@ -122,3 +122,23 @@ def _timeout_entry(entry: bytes) -> int | None:
         else:
             pos += 4
     return found
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        bits, value = value & 0x7F, value >> 7
+        if value:
+            out.append(bits | 0x80)
+        else:
+            out.append(bits)
+            return bytes(out)
+
+
+def with_string_field(data: bytes, number: int, value: str) -> bytes:
+    """`data` with string field `number` set to `value`, without parsing it:
+    for a singular field a parser keeps the last value on the wire, so
+    appending one overrides what the client sent (a 2 GiB request is
+    retargeted by one copy, never decoded)."""
+    encoded = value.encode()
+    return data + _encode_varint(number << 3 | 2) + _encode_varint(len(encoded)) + encoded

@@ -93,7 +93,7 @@ def fleet(tmp_path_factory):
     # of the warm-up calls; a larger one lets the frozen-node test see hedges
     # fire without thousands of calls first
     config = tmp_path_factory.mktemp("gateway") / "gateway.toml"
-    config.write_text("[gateway]\nhedge_ratio = 0.25\n")
+    config.write_text("[gateway]\nhedge_ratio = 0.25\n[gateway.splits.canary-demo]\ncanary-a = 1\ncanary-b = 1\n")
     gateway = start_gateway(*(d.address for d in daemons), f"127.0.0.1:{late_port}", args=("--config", str(config)))
     client = tc.InferenceServerClient(f"127.0.0.1:{gateway.port}")
     _wait(lambda: client.is_server_ready(), 20, "gateway ready")
@@ -152,6 +152,27 @@ def test_a_model_always_lands_on_its_replicas(fleet):
     assert grew[outsider] == 0, grew
     picks = _metric(fleet["gateway"], "modeld_gateway_picks_total")
     assert picks >= 30
+
+
+def test_a_split_model_shares_its_calls_and_a_session_keeps_its_target(fleet):
+    gw = tc.InferenceServerClient(f"127.0.0.1:{fleet['gateway'].port}")
+    for name in ("canary-a", "canary-b"):
+        config = onnx_fixtures.triton_config(name, [("x", "FP32", [4])], [("y", "FP32", [4])])
+        gw.load_model(name, config=json.dumps(config), files={"file:1/model.onnx": onnx_fixtures.add_fp32()})
+    x = tc.InferInput("x", [1, 4], "FP32")
+    x.set_data_from_numpy(np.zeros((1, 4), np.float32))
+
+    def target(session: str) -> str:
+        result = gw.infer("canary-demo", [x], headers={"x-session-id": session})
+        np.testing.assert_allclose(result.as_numpy("y"), 1.0, rtol=1e-5)
+        return result.get_response().model_name
+
+    first = {f"conversation-{i}": target(f"conversation-{i}") for i in range(24)}
+    assert set(first.values()) == {"canary-a", "canary-b"}, first
+    assert all(target(session) == name for session, name in list(first.items())[:8])
+    assert _metric(fleet["gateway"], "modeld_gateway_split_calls_total") >= 32
+    with pytest.raises(InferenceServerException, match="canary-demo"):
+        tc.InferenceServerClient(fleet["daemons"][0].address).infer("canary-demo", [x])
 
 
 def test_bad_input_gets_a_clear_status(fleet):

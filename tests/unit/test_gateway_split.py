@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from modeld.gen import inference_pb2
-from modeld.server.gateway.split import SplitConfigError, parse_splits, retarget_infer
+from modeld.gen import generation_pb2, inference_pb2
+from modeld.server.gateway import wire
+from modeld.server.gateway.split import SplitConfigError, parse_splits
 
 
 def test_a_canary_gets_its_share_and_a_session_keeps_its_target():
@@ -44,5 +45,24 @@ def test_a_request_is_retargeted_with_everything_else_kept():
     request = inference_pb2.ModelInferRequest(model_name="chat", id="r1")
     request.inputs.add(name="x", datatype="FP32", shape=[1, 4])
     request.raw_input_contents.append(b"\0" * 16)
-    moved = inference_pb2.ModelInferRequest.FromString(retarget_infer(request.SerializeToString(), "chat-v2"))
+    data = request.SerializeToString()
+    moved = inference_pb2.ModelInferRequest.FromString(wire.with_string_field(data, 1, "chat-v2"))
     assert moved.model_name == "chat-v2" and moved.id == "r1" and moved.raw_input_contents == [b"\0" * 16]
+    assert wire.string_field(wire.with_string_field(data, 1, "chat-v2"), 1) == "chat-v2"  # what routing reads
+    long_name = "m" * 300  # a length past one varint byte
+    prompt = generation_pb2.GenerateRequest(model="chat", prompt="hello").SerializeToString()
+    moved = generation_pb2.GenerateRequest.FromString(wire.with_string_field(prompt, 1, long_name))
+    assert moved.model == long_name and moved.prompt == "hello"
+
+
+def test_the_gateway_settings_read_the_splits_table(tmp_path):
+    from modeld.server.gateway.config import GatewayConfigError, load_gateway_settings
+
+    config = tmp_path / "gateway.toml"
+    config.write_text('[gateway]\nnodes = ["127.0.0.1:1"]\n[gateway.splits.chat]\nchat-v1 = 95\nchat-v2 = 5\n')
+    settings = load_gateway_settings({}, config)
+    assert settings.splits.splits["chat"].targets == ("chat-v1", "chat-v2")
+    assert "traffic splits for chat" in settings.describe()
+    config.write_text('[gateway]\nnodes = ["127.0.0.1:1"]\n[gateway.splits.chat]\nchat-v1 = -1\n')
+    with pytest.raises(GatewayConfigError, match="must be a number >= 0"):
+        load_gateway_settings({}, config)
