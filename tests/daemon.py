@@ -89,6 +89,24 @@ class DaemonProcess:
         return total
 
 
+def metric_sum(process: "DaemonProcess", name: str, **labels) -> float:
+    """The sum of every series of `name` on the process's metrics port whose
+    labels include `labels` (0 when none)."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{process.metrics_port}/metrics", timeout=5).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        match = re.match(rf"{re.escape(name)}(?:\{{(.*)\}})? ([0-9.e+-]+)$", line)
+        if not match:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(match.group(2))
+    return total
+
+
 def _pump(daemon: DaemonProcess, started: threading.Event, ready_event: str = "daemon_started") -> None:
     for line in daemon.proc.stderr:
         daemon._lines.append(line)

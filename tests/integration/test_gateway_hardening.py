@@ -11,10 +11,8 @@ fleet token, and must never join the ring.
 
 from __future__ import annotations
 
-import re
 import secrets
 import time
-import urllib.request
 
 import grpc
 import numpy as np
@@ -22,6 +20,7 @@ import pytest
 
 import onnx_fixtures
 from daemon import start_daemon, start_gateway
+from daemon import metric_sum as _metric
 from modeld.gen import inference_pb2 as pb
 from modeld.gen import inference_pb2_grpc as pb_grpc
 from polling import wait_until
@@ -40,14 +39,6 @@ CLIENT_LINES = (f"{FLOOD} infer tenant=flood\n"
                 f"{NARROW} infer tenant=narrow models={MODEL}\n")
 
 
-def _metric(process, name: str, **labels) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{process.metrics_port}/metrics", timeout=5).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        match = re.match(rf"{re.escape(name)}(?:\{{(.*)\}})? ([0-9.e+-]+)$", line)
-        if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
-            total += float(match.group(2))
-    return total
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,8 @@ Certificates are made here with trustme; the model is a tiny ONNX graph
 
 from __future__ import annotations
 
-import re
 import secrets
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -24,6 +22,7 @@ from tritonclient.utils import InferenceServerException
 
 import onnx_fixtures
 from daemon import start_daemon, start_gateway
+from daemon import metric_sum as _metric
 
 trustme = pytest.importorskip("trustme")
 
@@ -33,14 +32,6 @@ SERVER_NAME = "modeld.internal"  # the node's certificate names only this: diall
 MODEL = "plus"
 
 
-def _metric(process, name: str, **labels) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{process.metrics_port}/metrics", timeout=5).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        match = re.match(rf"{re.escape(name)}(?:\{{(.*)\}})? ([0-9.e+-]+)$", line)
-        if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
-            total += float(match.group(2))
-    return total
 
 
 def _wait(predicate, timeout: float, what: str) -> None:

@@ -11,9 +11,7 @@ that the refill during a test is nothing: the test never races the clock.
 
 from __future__ import annotations
 
-import re
 import secrets
-import urllib.request
 
 import grpc
 import httpx
@@ -22,6 +20,7 @@ import pytest
 
 import onnx_fixtures
 from daemon import add_small_smollm2, start_daemon
+from daemon import metric_sum as _metric
 from modeld.gen import generation_pb2 as g
 from modeld.gen import generation_pb2_grpc as gg
 from modeld.gen import inference_pb2 as pb
@@ -36,14 +35,6 @@ NARROW = "narrow-" + secrets.token_urlsafe(24)  # tenant epsilon: model plus onl
 MODEL = "plus"
 
 
-def _metric(daemon, name: str, **labels) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        match = re.match(rf"{re.escape(name)}(?:\{{(.*)\}})? ([0-9.e+-]+)$", line)
-        if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
-            total += float(match.group(2))
-    return total
 
 
 @pytest.fixture(scope="module")
