@@ -33,7 +33,7 @@ from modeld.server.services.generation import GenerationService
 from modeld.server.services.inference import InferenceService
 from modeld.server.services.node import NodeService
 from modeld.server.services.parsing import ParsingServer
-from modeld.server.tls import ServerTls, TlsFiles, add_port
+from modeld.server.tls import ServerTls, TlsFiles, add_port, reload_credentials
 from modeld.server.os_memory import own_rss
 
 log = structlog.get_logger("modeld.daemon")
@@ -284,16 +284,8 @@ class Daemon:
         self._stopped.set()
 
     def reload_credentials(self) -> None:
-        """SIGHUP: reread certificates and tokens. New handshakes and calls
-        use them; connections and calls in flight are left alone. A file that
-        fails to load keeps the old credentials (logged)."""
-        if self.tls is None and self.auth is None:
-            log.info("reload_skipped", reason="no TLS or token file configured")
-            return
-        if self.tls is not None:
-            self.tls.reload()
-        if self.auth is not None:
-            self.auth.reload()
+        """SIGHUP: reread certificates and tokens (server/tls.py)."""
+        reload_credentials(self.tls, self.auth)
 
     async def run_until_signalled(self) -> None:
         loop = asyncio.get_running_loop()

@@ -130,3 +130,17 @@ def add_port(server: grpc.aio.Server, address: str, tls: ServerTls | None) -> in
     if tls is None:
         return server.add_insecure_port(address)
     return server.add_secure_port(address, tls.grpc_credentials())
+
+
+def reload_credentials(tls, auth) -> None:
+    """SIGHUP, for the daemon and the gateway alike: reread certificates
+    (a ServerTls) and tokens (an Authenticator), either of which may be None.
+    New handshakes and calls use them; connections and calls in flight are
+    left alone. A file that fails to load keeps the old credentials (logged)."""
+    if tls is None and auth is None:
+        log.info("reload_skipped", reason="no TLS or token file configured")
+        return
+    if tls is not None:
+        tls.reload()
+    if auth is not None:
+        auth.reload()

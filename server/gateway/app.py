@@ -21,7 +21,7 @@ from modeld.server.gateway.nodes import Fleet
 from modeld.server.gateway.router import Router
 from modeld.server.gateway.service import GENERATION, INFERENCE, GatewayService
 from modeld.server.reflection import reflection_pool
-from modeld.server.tls import ServerTls, add_port
+from modeld.server.tls import ServerTls, add_port, reload_credentials
 
 log = structlog.get_logger("modeld.gateway")
 
@@ -132,15 +132,8 @@ class Gateway:
         log.info("gateway_stopped")
 
     def reload_credentials(self) -> None:
-        """SIGHUP: reread the client port's certificates and tokens, as the
-        daemon does; a file that fails to load keeps the old ones (logged)."""
-        if self.tls is None and self.auth is None:
-            log.info("reload_skipped", reason="no TLS or token file configured")
-            return
-        if self.tls is not None:
-            self.tls.reload()
-        if self.auth is not None:
-            self.auth.reload()
+        """SIGHUP: reread certificates and tokens (server/tls.py)."""
+        reload_credentials(self.tls, self.auth)
 
     async def run_until_signalled(self) -> None:
         loop = asyncio.get_running_loop()
