@@ -112,6 +112,12 @@ class RemoteProtocol(ABC):
         if request.params.speculative is not SpeculativeMode.NONE:
             return (f"speculative decoding is a setting of {self.where} when it starts, "
                     "not something a request can ask for")
+        # the engine answers a tool call as structured deltas, which the token
+        # stream modeld relays cannot carry: sending the tools would let the
+        # engine call one and the client never see it
+        if request.tools or any(m.tool_calls or m.role == "tool" for m in request.messages):
+            return (f"tool calling is not relayed to {self.where}: its tool calls do not fit the token stream "
+                    "modeld relays; call tools on a local model, or on the engine's own API")
         return None
 
     @abstractmethod

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from modeld.backends.generation.params import (
-    ChatMessage, Constraint, ConstraintKind, GenerateRequest, SamplingParams,
+    ChatMessage, Constraint, ConstraintKind, GenerateRequest, SamplingParams, ToolCall, ToolSpec,
 )
 from modeld.backends.remote.http import Endpoint, RemoteHttp
 from modeld.backends.remote.openai_compat import OpenAIProtocol
@@ -165,3 +165,17 @@ def test_a_choice_regex_matches_exactly_its_strings(choices):
     for choice in choices:
         assert re.fullmatch(pattern, choice)
     assert not re.fullmatch(pattern, choices[0] + "x")
+
+
+@pytest.mark.parametrize("cls", [VllmProtocol, OpenAIProtocol, SglangProtocol, TgiProtocol])
+def test_tools_are_refused_naming_the_engine_rather_than_dropped(cls):
+    server = _protocol(cls)
+    tools = GenerateRequest("m", messages=(ChatMessage("user", "x"),), tools=(ToolSpec("lookup"),))
+    history = GenerateRequest("m", messages=(
+        ChatMessage("user", "x"), ChatMessage("assistant", "", tool_calls=(ToolCall("c1", "lookup"),)),
+        ChatMessage("tool", "42", tool_call_id="c1")))
+    for request in (tools, history):
+        reason = server.refusal(request)
+        assert reason and "tool calling" in reason and server.where in reason, reason
+    if cls in (VllmProtocol, OpenAIProtocol):  # the engines that take chat at all
+        assert server.refusal(_request(chat=True)) is None
