@@ -100,6 +100,10 @@ class ModelRepository:
     def _repo_dir(self, name: str) -> Path | None:
         if self.root is None:
             return None
+        try:  # a name no model may have (too long for a file name, a path) is never looked up on disk
+            validate_model_name(name)
+        except InvalidArgument:
+            return None
         model_dir = self.root / name
         return model_dir if (model_dir / CONFIG_FILE).is_file() else None
 
