@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -36,6 +37,13 @@ from modeld.backends.generation.params import Constraint, ConstraintKind
 # admission for longer, and the cache keeps the ones that made it.
 COMPILE_TIMEOUT_S = 10.0
 CACHE_ENTRIES = 128
+# llguidance's thread pool only where cores are left over beside the model's
+# own threads: on 2 cores its workers, spinning after each batch, stalled
+# llama.cpp's barrier-synchronised threads (8 constrained streams ran at a
+# fraction of the unconstrained rate while the masks themselves took 2 ms a
+# step). Below this, a step's masks are computed one matcher after another
+# on the step's thread (each call still releases the GIL).
+PARALLEL_MIN_CPUS = 8
 _MAX_ERROR_CHARS = 400
 
 # Compiles happen off the event loop; two at once keeps one slow grammar
@@ -135,6 +143,7 @@ class ConstraintCompiler:
         self._cache: OrderedDict[tuple[ConstraintKind, str], Any] = OrderedDict()  # -> matcher or error text
         self._cache_lock = threading.Lock()
         self._executor = None
+        self.parallel = (os.cpu_count() or 1) >= PARALLEL_MIN_CPUS
         self.stats = MaskStats()
 
     @property
@@ -235,21 +244,46 @@ class ConstraintCompiler:
         (rows past a draft the grammar refuses are left all-allowed: the
         loop rejects that draft first and never samples them). All rows of
         the step in one call, on llguidance's threads."""
-        llg = _llg()
-        if self._executor is None:
-            self._executor = llg.LLExecutor()
         masks = np.full((num_rows, self.words), -1, dtype=np.int32)
         started = time.perf_counter()
-        if any(drafts for _, _, drafts in items):
-            self._executor.unsafe_compute_mask_ptr_with_draft_token(
-                items, masks.ctypes.data, self.words * 4, num_rows)
+        if self.parallel:
+            if self._executor is None:
+                self._executor = _llg().LLExecutor()
+            if any(drafts for _, _, drafts in items):
+                self._executor.unsafe_compute_mask_ptr_with_draft_token(
+                    items, masks.ctypes.data, self.words * 4, num_rows)
+            else:
+                self._executor.unsafe_compute_mask_ptr([(m, k) for m, k, _ in items], masks.ctypes.data,
+                                                       self.words * 4, num_rows)
         else:
-            self._executor.unsafe_compute_mask_ptr([(m, k) for m, k, _ in items], masks.ctypes.data,
-                                                   self.words * 4, num_rows)
+            for matcher, first, drafts in items:
+                _fill_one(matcher, masks, first, drafts)
         self.stats.mask_s += time.perf_counter() - started
         self.stats.steps += 1
         self.stats.rows += num_rows
         return masks
+
+
+def _fill_one(matcher, masks: np.ndarray, first: int, drafts: list[int]) -> None:
+    """One matcher's rows: its next token's mask, then after each draft the
+    grammar allows, the next; the matcher is rolled back after."""
+    row_bytes = masks.shape[1] * 4
+    consumed = 0
+    for i in range(len(drafts) + 1):
+        matcher.unsafe_compute_mask_ptr(masks[first + i].ctypes.data, row_bytes)
+        if i == len(drafts):
+            break
+        draft = drafts[i]
+        word = draft // 32
+        if word >= masks.shape[1] or not (int(masks[first + i, word]) >> (draft % 32)) & 1:
+            break  # refused: the loop rejects this draft and never reads the rows after it
+        if not matcher.consume_token(draft):
+            break
+        consumed += 1
+        if matcher.is_stopped():
+            break
+    if consumed:
+        matcher.rollback(consumed)
 
 
 def allowed(masks: np.ndarray, vocab_size: int) -> np.ndarray:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol
 
@@ -316,6 +316,11 @@ class GenerationLoop:
                 num_rows += work.num_logits
         if not items:
             return None
+        if not self.constraints.parallel:
+            # few cores: a thread beside the forward pass would take one from it
+            done: Future = Future()
+            done.set_result(self._masks(items, owners, num_rows))
+            return done
         return _MASK_THREAD.submit(self._masks, items, owners, num_rows)
 
     def _masks(self, items: list, owners: list, num_rows: int) -> dict[int, np.ndarray]:
