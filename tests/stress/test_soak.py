@@ -232,8 +232,9 @@ class Soak:
 
     # -- one call, counted ---------------------------------------------------------
 
-    def call(self, kind: str, fn, accepted: frozenset = frozenset()) -> None:
-        """Run fn (which returns None when right, or what was wrong); count its outcome."""
+    def call(self, kind: str, fn, accepted: frozenset = frozenset()) -> bool:
+        """Run fn (which returns None when right, or what was wrong); count its
+        outcome. True when it answered OK."""
         self.tally.start(kind)
         try:
             problem = fn()
@@ -243,7 +244,7 @@ class Soak:
                 self.tally.done(kind, code.name)
             else:
                 self.tally.bad(kind, f"{code.name}: {exc.details()}", code.name)
-            return
+            return False
         except Exception as exc:  # tritonclient's own exceptions, assertion errors, ...
             status = getattr(exc, "status", lambda: None)()
             status = str(status or "").replace("StatusCode.", "")
@@ -251,11 +252,12 @@ class Soak:
                 self.tally.done(kind, status)
             else:
                 self.tally.bad(kind, f"{type(exc).__name__} {status}: {exc}", status or "error")
-            return
+            return False
         if problem:
             self.tally.bad(kind, problem)
-        else:
-            self.tally.done(kind, "OK")
+            return False
+        self.tally.done(kind, "OK")
+        return True
 
     # -- clients -------------------------------------------------------------------
 
@@ -386,7 +388,10 @@ class Soak:
 
         try:
             while not self.stop.is_set():
-                self.call("churn_load", load, pressure)
+                # a refused inline load leaves no model behind (its upload is
+                # removed): infers then would rightly be NOT_FOUND
+                if not self.call("churn_load", load, pressure):
+                    continue
                 for _ in range(rng.randint(2, 6)):
                     self.call("churn_infer", infer, pressure)
                 self.call("churn_unload", lambda: client.unload_model(name, client_timeout=CALL_TIMEOUT_S))
