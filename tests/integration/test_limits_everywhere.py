@@ -21,7 +21,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import onnx_fixtures
-from daemon import MODELS, start_daemon
+from daemon import MODELS, add_small_smollm2, start_daemon
+from modeld.gen import generation_pb2 as gen
+from modeld.gen import generation_pb2_grpc as gen_grpc
 from modeld.gen import node_pb2, node_pb2_grpc
 from modeld.gen import inference_pb2 as pb
 from modeld.gen import inference_pb2_grpc as pb_grpc
@@ -62,6 +64,10 @@ def daemon(tmp_path_factory, inline_tmp):
         'format = "onnx"\nbackends = ["onnx"]\n[batching]\nmax_batch_size = 64\nmax_queue_delay_us = 60000000\n'
         '[text]\ntokenizer = "tokenizer.json"\ninput = "text"\nmax_length = 64\n[limits]\n'
         'max_request_bytes = "1MiB"\n')
+    # a language model, for generation limits, taking bodies large enough to reach them
+    add_small_smollm2(root, n_ctx=1024, n_slots=2, context_length=512)
+    with (root / "smollm2" / "model.toml").open("a") as toml:
+        toml.write('[limits]\nmax_request_bytes = "64MiB"\n')
     proc = start_daemon(repository=root, env={
         "MODELD_MAX_REQUEST_BYTES": str(REQUEST_CAP), "MODELD_STREAM_INFER_WINDOW": str(WINDOW),
         "MODELD_INLINE_DISK_QUOTA": str(QUOTA), "MODELD_MAX_CONCURRENT_RPCS": str(MAX_RPCS),
@@ -167,6 +173,25 @@ def test_200000_embedding_inputs_are_refused_at_once_while_health_answers(daemon
     assert response.status_code == 429
     message = response.json()["error"]["message"]
     assert "200000 embedding inputs" in message and "max_embedding_inputs limit (2048)" in message
+    assert prober.statuses == {health_pb2.HealthCheckResponse.SERVING}
+    assert max(prober.latencies) < PROBE_BOUND_S
+
+
+def test_100000_stop_strings_are_refused_at_once_on_both_fronts_while_health_answers(daemon, http, channel):
+    stops = [f"stop {i}" for i in range(100_000)]
+    body = {"model": "smollm2", "prompt": "hi", "max_tokens": 4, "stop": stops}
+    with Prober(daemon.address) as prober:
+        before = len(prober.latencies)
+        response = http.post("/v1/completions", json=body)
+        with pytest.raises(grpc.RpcError) as refused:
+            gen_grpc.GenerationStub(channel).Generate(
+                gen.GenerateRequest(model="smollm2", prompt="hi", sampling=gen.SamplingParams(max_tokens=4, stop=stops)),
+                timeout=60).next()
+        wait_until(lambda: len(prober.latencies) > before + 1, what="health answers after the refusals")
+    assert response.status_code == 400, response.text
+    assert "at most 16 strings, got 100000" in response.json()["error"]["message"]
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "at most 16 strings, got 100000" in refused.value.details()
     assert prober.statuses == {health_pb2.HealthCheckResponse.SERVING}
     assert max(prober.latencies) < PROBE_BOUND_S
 
