@@ -73,22 +73,19 @@ class LlamaModel:
         return list(buffer[:count])
 
     def token_bytes(self, token_id: int) -> bytes:
-        piece = self._pieces.get(token_id)
-        if piece is None:
-            buffer = ctypes.create_string_buffer(256)
-            count = _llama().llama_token_to_piece(self.vocab, token_id, buffer, 256, 0, False)
-            piece = buffer.raw[:max(count, 0)]
-            self._pieces[token_id] = piece
-        return piece
+        return self._piece(token_id, self._pieces, special=False)
 
     def special_token_bytes(self, token_id: int) -> bytes:
         """token_bytes with control tokens spelled out (`<|im_end|>`)."""
-        piece = self._special_pieces.get(token_id)
+        return self._piece(token_id, self._special_pieces, special=True)
+
+    def _piece(self, token_id: int, cache: dict[int, bytes], special: bool) -> bytes:
+        piece = cache.get(token_id)
         if piece is None:
             buffer = ctypes.create_string_buffer(256)
-            count = _llama().llama_token_to_piece(self.vocab, token_id, buffer, 256, 0, True)
+            count = _llama().llama_token_to_piece(self.vocab, token_id, buffer, 256, 0, special)
             piece = buffer.raw[:max(count, 0)]
-            self._special_pieces[token_id] = piece
+            cache[token_id] = piece
         return piece
 
     def is_end_of_generation(self, token_id: int) -> bool:
