@@ -33,16 +33,21 @@ def _serve_args(sub) -> None:
     p.add_argument("--isolation", choices=[i.value for i in Isolation],
                    help="where models run unless their model.toml sets isolation: each in a worker process, "
                         "in the daemon, or auto (default: native LLM backends in a worker, the rest in-process)")
-    p.add_argument("--tls-cert", dest="tls_cert", metavar="FILE",
-                   help="PEM certificate chain: serve TLS on the gRPC and HTTP ports (with --tls-key)")
-    p.add_argument("--tls-key", dest="tls_key", metavar="FILE", help="PEM private key of --tls-cert")
-    p.add_argument("--tls-client-ca", dest="tls_client_ca", metavar="FILE",
-                   help="mutual TLS: refuse clients without a certificate this CA signed")
-    p.add_argument("--auth-token-file", dest="auth_token_file", metavar="FILE",
-                   help="lines of '<token> <role>' (infer or admin); calls then need 'authorization: Bearer <token>'")
+    _client_security_args(p, "the gRPC and HTTP ports",
+                          "lines of '<token> <role>' (infer or admin); calls then need 'authorization: Bearer <token>'")
     p.add_argument("--insecure", action="store_const", const=True,
                    help="serve a non-loopback --host without a token file (anyone who reaches the port may call "
                         "and load models); refused otherwise")
+
+
+def _client_security_args(p, ports: str, tokens_help: str) -> None:
+    """TLS and tokens where clients connect: the daemon and the gateway take the same flags."""
+    p.add_argument("--tls-cert", dest="tls_cert", metavar="FILE",
+                   help=f"PEM certificate chain: serve TLS on {ports} (with --tls-key)")
+    p.add_argument("--tls-key", dest="tls_key", metavar="FILE", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", dest="tls_client_ca", metavar="FILE",
+                   help=f"mutual TLS on {ports}: clients need a certificate this CA signed")
+    p.add_argument("--auth-token-file", dest="auth_token_file", metavar="FILE", help=tokens_help)
 
 
 def _token_args(sub) -> None:
@@ -75,13 +80,8 @@ def _gateway_args(sub) -> None:
                    help="the gateway's own token (first word of the first non-comment line, role infer), "
                         "sent on its health and Stats probes; forwarded calls keep the client's own. Without "
                         "--node-tls-ca it is also the fleet token a node must prove it holds to join the ring")
-    p.add_argument("--tls-cert", dest="tls_cert", metavar="FILE",
-                   help="PEM certificate chain for the gateway's client port (with --tls-key)")
-    p.add_argument("--tls-key", dest="tls_key", metavar="FILE", help="PEM private key of --tls-cert")
-    p.add_argument("--tls-client-ca", dest="tls_client_ca", metavar="FILE",
-                   help="mutual TLS on the client port: clients need a certificate this CA signed")
-    p.add_argument("--auth-token-file", dest="auth_token_file", metavar="FILE",
-                   help="client tokens, roles and tenants in the daemon's format; every call but probes needs one")
+    _client_security_args(p, "the gateway's client port",
+                          "client tokens, roles and tenants in the daemon's format; every call but probes needs one")
 
 
 def _client_args(sub) -> None:
