@@ -73,3 +73,42 @@ def test_equal_prompts_share_blocks_and_every_block_returns():
     blocks.free_sequence(1)
     blocks.free_sequence(2)
     assert blocks.num_free == 8 and all(b.ref_count == 0 for b in blocks.blocks)
+
+
+def test_a_salt_keys_its_blocks_apart_and_the_empty_salt_is_no_salt():
+    blocks = BlockManager(num_blocks=16, block_size=4)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    blocks.start_sequence(1, salt=b"adapter-a")
+    assert blocks.grow(1, len(tokens))
+    blocks.commit(1, tokens, len(tokens))
+    blocks.free_sequence(1)
+    assert blocks.match_prefix(2, tokens) == 0  # unsalted: not the adapter's KV
+    assert blocks.match_prefix(3, tokens, salt=b"adapter-b") == 0
+    assert blocks.match_prefix(4, tokens, salt=b"adapter-a") == 8
+    _computed(blocks, 5, tokens)
+    assert blocks.match_prefix(6, tokens, salt=b"") == 8
+
+
+def test_a_salt_collision_on_the_first_block_serves_no_other_namespace(monkeypatch):
+    monkeypatch.setattr(block_manager, "chain_hash", lambda previous, tokens: hash(tokens))  # blind to the salt
+    blocks = BlockManager(num_blocks=16, block_size=4)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    blocks.start_sequence(1, salt=b"adapter-a")
+    assert blocks.grow(1, len(tokens))
+    blocks.commit(1, tokens, len(tokens))
+    blocks.free_sequence(1)
+    assert blocks.match_prefix(2, tokens, salt=b"adapter-b") == 0
+
+
+def test_prompt_hashes_are_the_keys_the_cache_holds_and_stable_values():
+    blocks = BlockManager(num_blocks=16, block_size=4)
+    tokens = list(range(100, 113))
+    _computed(blocks, 1, tokens)
+    # 13 tokens: three whole blocks committed, three a later prompt can match
+    assert set(block_manager.prompt_hashes(tokens, 4)) == set(blocks.cached)
+    assert block_manager.prompt_hashes(tokens[:8], 4) == block_manager.prompt_hashes(tokens, 4)[:1]
+    # a value another process (the gateway) must reproduce: xxh3-64, seed 0, int32 ids
+    import xxhash
+    from array import array
+    assert block_manager.prompt_hashes([1, 2, 3, 4, 5], 4) == [xxhash.xxh3_64_intdigest(array("i", [1, 2, 3, 4]).tobytes())]
+    assert block_manager.prompt_hashes([1, 2, 3, 4, 5], 4, salt=b"x") != block_manager.prompt_hashes([1, 2, 3, 4, 5], 4)
