@@ -25,6 +25,7 @@ from modeld.backends.model_config import (
     ModelConfig, config_from_dict, config_from_json, load_model_toml, validate_model_name,
 )
 from modeld.server.store import ModelStore, PulledModel
+from modeld.server.versions import at_version, split_key
 
 CONFIG_FILE = "model.toml"
 
@@ -86,6 +87,12 @@ class ModelRepository:
         return found
 
     def resolve(self, name: str) -> ModelSource:
+        """The entry `name` names; an engine key "m:2" (server/versions.py)
+        names version 2 of entry m, its artifact in that version's folder."""
+        model, version = split_key(name)
+        return at_version(self._resolve_model(model), version)
+
+    def _resolve_model(self, name: str) -> ModelSource:
         validate_model_name(name)
         name = self.canonical(name)
         if name in self._inline:
