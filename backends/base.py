@@ -36,6 +36,9 @@ class Capability(Enum):
     SEQUENCE_BATCHING = "sequence_batching"  # Triton's stateful sequences
     SHARED_MEMORY = "shared_memory"  # Triton's shared-memory tensors
     GPU = "gpu"
+    # token masks from a grammar (JSON schema, regex, choice, Lark/GBNF), in
+    # the sampler or passed to a remote engine that applies them
+    CONSTRAINED_DECODING = "constrained_decoding"
 
 
 @dataclass(frozen=True)

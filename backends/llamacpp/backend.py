@@ -28,6 +28,7 @@ class LlamaCppBackend(Backend):
     capabilities = frozenset({
         Capability.GENERATION, Capability.STREAMING, Capability.CONTINUOUS_BATCHING,
         Capability.PREFIX_CACHE, Capability.SPECULATIVE_DECODING, Capability.LOGPROBS,
+        Capability.CONSTRAINED_DECODING,
     })
 
     def availability(self) -> Verdict:

@@ -51,7 +51,8 @@ class RemoteBackend(Backend):
     # above every local backend: a model that names a remote engine and no
     # `backends` list wants the engine first, its local file as the fallback
     priority = 200
-    capabilities = frozenset({Capability.GENERATION, Capability.STREAMING})
+    # constraints go to the engine in its own request fields, refused per kind where it lacks one
+    capabilities = frozenset({Capability.GENERATION, Capability.STREAMING, Capability.CONSTRAINED_DECODING})
 
     def availability(self) -> Verdict:
         for module in ("httpx", "httpx_sse"):

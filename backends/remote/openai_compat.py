@@ -421,4 +421,4 @@ class OpenAIBackend(RemoteBackend):
     engines = ("openai", "vllm", "sglang")
     protocol = OpenAIProtocol
     priority = 190  # after the engine-specific backends, when a model names no order
-    capabilities = frozenset({Capability.GENERATION, Capability.STREAMING})
+    capabilities = frozenset({Capability.GENERATION, Capability.STREAMING, Capability.CONSTRAINED_DECODING})

@@ -253,4 +253,5 @@ class SglangBackend(RemoteBackend):
     capabilities = frozenset({
         Capability.GENERATION, Capability.STREAMING, Capability.LOGPROBS,
         Capability.CONTINUOUS_BATCHING, Capability.PREFIX_CACHE,  # its scheduler and RadixAttention
+        Capability.CONSTRAINED_DECODING,
     })

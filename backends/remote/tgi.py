@@ -205,4 +205,5 @@ class TgiBackend(RemoteBackend):
     capabilities = frozenset({
         Capability.GENERATION, Capability.STREAMING, Capability.LOGPROBS,
         Capability.CONTINUOUS_BATCHING, Capability.PREFIX_CACHE,  # its router batches; v3 caches prefixes
+        Capability.CONSTRAINED_DECODING,
     })

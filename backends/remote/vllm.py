@@ -173,4 +173,5 @@ class VllmBackend(RemoteBackend):
         Capability.GENERATION, Capability.STREAMING, Capability.LOGPROBS,
         # vLLM's own scheduler batches continuously and caches prefixes (on by default since v1)
         Capability.CONTINUOUS_BATCHING, Capability.PREFIX_CACHE,
+        Capability.CONSTRAINED_DECODING,
     })
