@@ -64,6 +64,12 @@ def _gateway_args(sub) -> None:
                    help="a name resolving to every daemon (a Kubernetes headless Service), re-resolved periodically")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     p.add_argument("--grpc-port", dest="grpc_port", type=int, help="gRPC port (default 8001; 0 picks a free one)")
+    p.add_argument("--http-port", dest="http_port", type=int,
+                   help="HTTP port for the OpenAI and KServe v2 REST routes (default 8000; 0 picks a free one, -1 off)")
+    p.add_argument("--node-http", dest="node_http", action="append", default=[], metavar="GRPC_ADDR=HTTP_ADDR",
+                   help="where a daemon serves HTTP, by its --node address (repeatable); else --node-http-port")
+    p.add_argument("--node-http-port", dest="node_http_port", type=int,
+                   help="every daemon's HTTP port, on its gRPC host (a StatefulSet's pods share one)")
     p.add_argument("--metrics-port", dest="metrics_port", type=int, help="Prometheus port (default 8002; -1 off)")
     p.add_argument("--replicas", type=int, help="nodes that serve each model (default 2)")
     p.add_argument("--config", type=Path, help="TOML file with a [gateway] table")
@@ -194,7 +200,8 @@ def gateway(args) -> int:
     from modeld.server.gateway.app import Gateway
     from modeld.server.gateway.config import GatewayConfigError, load_gateway_settings
 
-    flags = {"nodes": args.node, **{k: getattr(args, k) for k in ("dns", "host", "grpc_port", "metrics_port",
+    flags = {"nodes": args.node, "node_http": args.node_http,
+             **{k: getattr(args, k) for k in ("dns", "host", "grpc_port", "http_port", "node_http_port", "metrics_port",
                                                                    "replicas", "log_format", "node_tls_ca",
                                                                    "node_tls_cert", "node_tls_key",
                                                                    "node_tls_server_name", "node_token_file",
