@@ -47,6 +47,8 @@ class Gateway:
         self._health_view: dict[str, int] = {}
         self.server: grpc.aio.Server | None = None
         self.port = 0
+        self.http = None  # the HTTP front (server/gateway/http/), made in start() unless --http-port -1
+        self.http_port = 0
         self.metrics_port = 0
         self._tasks: list[asyncio.Task] = []
         self._draining = False
@@ -72,6 +74,11 @@ class Gateway:
         if self.port == 0:
             raise OSError(f"cannot listen on {s.host}:{s.grpc_port}")
         await self.server.start()
+        if s.http_port >= 0:
+            from modeld.server.gateway.http.front import HttpFront
+
+            self.http = HttpFront(self.fleet, self.router, s, self.metrics, authenticator=self.auth, tls=self.tls)
+            self.http_port = await self.http.start(s.host, s.http_port, grace_s=10.0)
         if s.metrics_port >= 0:
             self._metrics_server, _ = start_http_server(s.metrics_port, addr=s.host, registry=self.metrics.registry)
             self.metrics_port = self._metrics_server.server_port
@@ -82,7 +89,8 @@ class Gateway:
         else:
             self.fleet.set_addresses(set(s.nodes))
         self._tasks.append(loop.create_task(self._follow_health()))
-        log.info("gateway_started", host=s.host, grpc_port=self.port, metrics_port=self.metrics_port,
+        log.info("gateway_started", host=s.host, grpc_port=self.port, http_port=self.http_port or None,
+                 metrics_port=self.metrics_port,
                  nodes=list(s.nodes), dns=s.dns, replicas=s.replicas, node_tls=self.fleet.credentials.tls,
                  node_mutual_tls=bool(s.node_tls_cert), node_token=self.fleet.credentials.has_token,
                  fleet_proof=s.fleet_proof_required,
@@ -124,8 +132,9 @@ class Gateway:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        if self.server is not None:
-            await self.server.stop(grace_s)
+        # both ports close at once; calls in flight on either finish within the grace period
+        await asyncio.gather(*(stop for stop in (self.server.stop(grace_s) if self.server is not None else None,
+                                                 self.http.stop() if self.http is not None else None) if stop))
         await self.fleet.close()
         if getattr(self, "_metrics_server", None) is not None:
             self._metrics_server.shutdown()

@@ -23,6 +23,7 @@ class GatewaySettings:
     dns: str = ""                        # NAME:PORT, re-resolved every dns_interval_s
     host: str = "127.0.0.1"
     grpc_port: int = 8001
+    http_port: int = 8000                # the OpenAI and KServe v2 REST routes; -1: no HTTP
     metrics_port: int = 8002
     replicas: int = 2                    # k: ring nodes that serve one model
     vnodes: int = 150
@@ -53,7 +54,13 @@ class GatewaySettings:
     # a request this large has its routing fields read in a thread, so the
     # event loop (other calls, health answers) never walks it
     parse_in_thread_bytes: int = 1 << 20
-    max_request_fields: int = 100_000    # top-level protobuf fields a request may have; more is RESOURCE_EXHAUSTED
+    max_request_fields: int = 100_000    # top-level protobuf fields (or JSON keys) a request may have
+    # HTTP toward the nodes (server/gateway/http/): where each serves it, and how
+    node_http: tuple[str, ...] = ()      # GRPC_HOST:PORT=HTTP_HOST:PORT, one per node whose HTTP port differs
+    node_http_port: int = 0              # else every node's HTTP port on its gRPC host (0: the port it advertises)
+    http_max_body_bytes: int = 256 * 1024**2  # larger HTTP bodies are refused with 413 before they are read whole
+    http_node_keepalive: int = 64        # idle keep-alive connections kept per node
+    http_connect_timeout_s: float = 5.0
     weights: ScoreWeights = field(default_factory=ScoreWeights)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     # [gateway.splits.<model>] target = weight: calls for <model> shared among targets (server/gateway/split.py)
@@ -85,7 +92,8 @@ class GatewaySettings:
             security.append("client tokens")
         if self.splits:
             security.append(f"traffic splits for {', '.join(sorted(self.splits.splits))}")
-        return (f"gateway on {self.host}:{self.grpc_port}, {source}, {self.replicas} replicas per model, "
+        http = f", HTTP on {self.http_port}" if self.http_port >= 0 else ""
+        return (f"gateway on {self.host}:{self.grpc_port}{http}, {source}, {self.replicas} replicas per model, "
                 f"metrics on {self.metrics_port}" + "".join(f", {part}" for part in security))
 
 
@@ -271,11 +279,35 @@ def _check(s: GatewaySettings) -> None:
         given = "--node-tls-cert" if s.node_tls_cert else "--node-tls-server-name"
         raise GatewayConfigError(f"{given} needs --node-tls-ca (the CA that signed the nodes' certificates), "
                                  "which turns TLS toward the nodes on")
+    _check_http(s)
     if s.parse_in_thread_bytes < 0 or s.max_request_fields < 1:
         raise GatewayConfigError("gateway.parse_in_thread_bytes must not be negative and "
                                  "gateway.max_request_fields must be at least 1")
     NodeCredentials.load(s)  # every file readable and usable now, not at the first node
     _check_client_security(s)
+
+
+def _host_port(address: str) -> bool:
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+def _check_http(s: GatewaySettings) -> None:
+    if not -1 <= s.http_port < 65536:
+        raise GatewayConfigError(f"--http-port must be a port, 0 for a free one or -1 for no HTTP, not {s.http_port}")
+    if not 0 <= s.node_http_port < 65536:
+        raise GatewayConfigError(f"gateway.node_http_port must be a port (0: the one each node advertises), "
+                                 f"not {s.node_http_port}")
+    for entry in s.node_http:
+        grpc_address, sep, http_address = entry.partition("=")
+        if not sep or not _host_port(grpc_address) or not _host_port(http_address):
+            raise GatewayConfigError(f"--node-http {entry!r} is not GRPC_HOST:PORT=HTTP_HOST:PORT (a node's gRPC "
+                                     "address as --node names it, then where it serves HTTP)")
+    if s.http_max_body_bytes < 1024:
+        raise GatewayConfigError(f"gateway.http_max_body_bytes must be at least 1024, not {s.http_max_body_bytes}")
+    if s.http_node_keepalive < 0 or s.http_connect_timeout_s <= 0:
+        raise GatewayConfigError("gateway.http_node_keepalive must not be negative and "
+                                 "gateway.http_connect_timeout_s must be positive")
 
 
 def _check_client_security(s: GatewaySettings) -> None:

@@ -9,13 +9,16 @@ on the node the call went to, so about one call in twenty is ever late enough.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
+from typing import TypeVar
 
 import numpy as np
 from hdrh.histogram import HdrHistogram
 
 Clock = Callable[[], float]
+T = TypeVar("T")
 
 # 1 us .. 60 s at 2 significant digits: about 1% resolution, 2,560 counters of
 # 4 bytes (10 KiB) per histogram. Longer calls are recorded as 60 s.
@@ -187,3 +190,35 @@ class LatencyTracker:
         stale = [key for key, h in self._histograms.items() if now - h.last_record_at >= self._window_s]
         for key in stale:
             del self._histograms[key]
+
+
+async def race(first: Awaitable[T], start_second: Callable[[], Awaitable[T] | None],
+               delay_s: float) -> tuple[T, bool]:
+    """`first`'s answer; if it has none after `delay_s`, `start_second()`
+    (None: no hedge after all) runs beside it and the first of the two to
+    answer wins, the other cancelled. When both fail, `first`'s failure.
+    Returns the answer and whether the second one gave it. Neither call is
+    left running when this returns or is cancelled (a client that left)."""
+    first_task = asyncio.ensure_future(first)
+    second_task = None
+    try:
+        done, _ = await asyncio.wait({first_task}, timeout=delay_s)
+        if done:
+            return first_task.result(), False
+        second = start_second()
+        if second is None:
+            return await first_task, False
+        second_task = asyncio.ensure_future(second)
+        pending, failure = {first_task, second_task}, None
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.exception() is None:
+                    return task.result(), task is second_task
+                if failure is None or task is first_task:
+                    failure = task.exception()
+        raise failure
+    finally:
+        for task in (first_task, second_task):
+            if task is not None and not task.done():
+                task.cancel()
