@@ -140,10 +140,11 @@ class ChatTemplate:
         origin = "the --chat-template file"
         return cls(_read_template(path, origin), special_tokens, origin=origin)
 
-    def render(self, messages: tuple[ChatMessage, ...], tools: tuple[ToolSpec, ...] = (),
+    def render(self, messages: tuple[ChatMessage, ...], tools: tuple[ToolSpec, ...] = (), /,
                add_generation_prompt: bool = True, **kwargs) -> str:
         """The prompt text, as `tokenizer.apply_chat_template(messages,
-        tools=tools, add_generation_prompt=..., tokenize=False)` gives it."""
+        tools=tools, add_generation_prompt=..., tokenize=False, **kwargs)`
+        gives it; `kwargs` are further template variables."""
         import jinja2
 
         chat = [message_dict(m) for m in messages]
@@ -153,9 +154,9 @@ class ChatTemplate:
         if tool_dicts and not self.renders_tools:
             chat, tool_dicts = _with_hermes_tools(chat, tool_dicts), None
         try:
-            return self._template.render(messages=chat, tools=tool_dicts, documents=None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **{**self.special_tokens, **kwargs})
+            # one dict, not keywords: a variable may be called anything a template reads
+            return self._template.render({**self.special_tokens, **kwargs, "messages": chat, "tools": tool_dicts,
+                                          "documents": None, "add_generation_prompt": add_generation_prompt})
         except jinja2.TemplateError as exc:
             # raise_exception: the template's own words about what it refuses
             raise InvalidArgument(f"{self.origin} refused these messages: {exc}") from None
@@ -257,8 +258,12 @@ def model_chat_template(config: ModelConfig, model_dir: Path, own_source: str,
 
 
 def render_chat(template: ChatTemplate | None, messages: tuple[ChatMessage, ...],
-                tools: tuple[ToolSpec, ...] = ()) -> str:
+                tools: tuple[ToolSpec, ...] = (), template_kwargs: Mapping[str, object] | None = None) -> str:
+    """`template_kwargs` (a request's chat_template_kwargs, checked by
+    params.check_template_kwargs) are extra template variables; they may
+    turn add_generation_prompt off or set a template's own flags
+    (enable_thinking), and replace a special token's spelling."""
     if template is None:
         raise InvalidArgument("this model has no chat template (none in its files, no chat_template in its "
                               "model.toml); send a prompt instead")
-    return template.render(messages, tools)
+    return template.render(messages, tools, **dict(template_kwargs or {}))

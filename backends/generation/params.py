@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -65,6 +66,10 @@ MAX_TOOLS_BYTES = 128 * 1024  # all function definitions together
 MAX_TOOL_CALLS = 128  # calls in one assistant message
 _TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 MAX_TOOL_NAME_CHARS = 64  # OpenAI's own rule for function names
+MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs entries
+MAX_TEMPLATE_KWARGS_BYTES = 8 * 1024  # chat_template_kwargs as JSON text
+# the variables the server itself gives a chat template: a caller's kwargs may not replace them
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents"})
 
 
 @dataclass(frozen=True)
@@ -183,6 +188,8 @@ class GenerateRequest:
     request_id: str = ""
     priority: int = 0  # 1 most urgent, larger less; 0: the default level, after every explicit one
     tools: tuple[ToolSpec, ...] = ()  # rendered by the chat template (messages only)
+    # extra variables for the chat template (add_generation_prompt, enable_thinking, ...), as (name, JSON value)
+    chat_template_kwargs: tuple[tuple[str, object], ...] = ()
 
     def validate(self) -> None:
         given = sum(bool(x) for x in (self.prompt, self.token_ids, self.messages))
@@ -192,6 +199,7 @@ class GenerateRequest:
             raise InvalidArgument(f"priority must be >= 0 (1 is the most urgent, 0 the default), got {self.priority}")
         self.params.validate()
         self._validate_tools()
+        check_template_kwargs(self.chat_template_kwargs, bool(self.messages))
 
     def _validate_tools(self) -> None:
         if self.tools and not self.messages:
@@ -215,6 +223,31 @@ class GenerateRequest:
             if message.role == "tool" and message.tool_call_id not in call_ids:
                 raise InvalidArgument(f"messages[{i}].tool_call_id {message.tool_call_id[:64]!r} answers no earlier "
                                       "assistant tool call")
+
+
+def check_template_kwargs(kwargs: tuple[tuple[str, object], ...], has_messages: bool = True) -> None:
+    """chat_template_kwargs: a few variables with names a template can read,
+    none the server sets itself, JSON values of bounded size."""
+    if not kwargs:
+        return
+    if not has_messages:
+        raise InvalidArgument("chat_template_kwargs need chat messages (the chat template reads them)")
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise InvalidArgument(f"chat_template_kwargs takes at most {MAX_TEMPLATE_KWARGS} entries, got {len(kwargs)}")
+    for name, _ in kwargs:
+        if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
+            raise InvalidArgument(f"chat_template_kwargs keys must be template variable names (letters, digits, "
+                                  f"'_', not starting with '_'), got {str(name)[:64]!r}")
+        if name in RESERVED_TEMPLATE_NAMES:
+            raise InvalidArgument(f"chat_template_kwargs may not set {name!r}: the server renders "
+                                  f"{', '.join(sorted(RESERVED_TEMPLATE_NAMES))} from the request itself")
+    try:
+        size = len(json.dumps(dict(kwargs), ensure_ascii=False, allow_nan=False).encode("utf-8", "surrogatepass"))
+    except (TypeError, ValueError):
+        raise InvalidArgument("chat_template_kwargs values must be JSON values") from None
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise InvalidArgument(f"chat_template_kwargs is {size} bytes as JSON, over the limit of "
+                              f"{MAX_TEMPLATE_KWARGS_BYTES}")
 
 
 _DEFAULT_RANK = 2**63

@@ -3,47 +3,32 @@
 Request side: `messages` with assistant `tool_calls` and `tool` results,
 `tools` (function definitions whose `parameters` are JSON schemas),
 `tool_choice` (`none`, `auto`, `required` or one named function) and
-`parallel_tool_calls`. The functions reach the model through its own chat
-template (backends/generation/chat_template.py). `required` and a named
-function are enforced by a grammar (a Lark grammar with each function's
-schema inline, compiled by llguidance in the engine), so the answer is
-always a call in the model's own format with arguments valid for the
-schema; `auto` lets the model choose, and the answer is read back by the
-parser model.toml's `tool_parser` names (server/http/tool_parsers.py).
-`none` leaves the functions out of the prompt, as vLLM does.
-
-Answer side: `AnswerReader` splits the text into `reasoning_content`
-(model.toml's `reasoning_parser`), `content` and `tool_calls`, streamed as
-OpenAI's deltas or whole.
+`parallel_tool_calls`, each bad value refused naming its field. The
+functions reach the model through its own chat template
+(backends/generation/chat_template.py); what the choice means for the
+answer (the grammar of a required call) and reading the answer back into
+`reasoning_content`, `content` and `tool_calls` (`AnswerReader`) are
+shared with gRPC Generate in server/tool_calls.py.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
-from enum import Enum
 
-from modeld.backends.generation.params import (
-    MAX_TOOL_CALLS, MAX_TOOLS, ChatMessage, Constraint, ConstraintKind, ToolCall, ToolSpec,
-)
-from modeld.backends.model_config import ReasoningParser, ToolParser
+from modeld.backends.generation.params import MAX_TOOL_CALLS, MAX_TOOLS, ChatMessage, Constraint, ToolCall, ToolSpec
+from modeld.backends.model_config import ToolParser
 from modeld.server.http.common import json_type_name
 from modeld.server.http.openai_fields import FieldError
-from modeld.server.http.reasoning_parsers import new_reasoning_parser
-from modeld.server.http.tool_parsers import CallArguments, CallStart, Content, new_tool_parser
+# what every front shares, re-exported for this module's readers
+from modeld.server.tool_calls import (  # noqa: F401
+    AnswerReader, ToolChoice, ToolError, call_constraint, call_grammar, check_parameters, new_call_id,
+)
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 _FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 MAX_CALL_ID_CHARS = 256
-
-
-class ToolChoice(Enum):
-    NONE = "none"
-    AUTO = "auto"
-    REQUIRED = "required"
-    NAMED = "named"  # {"type": "function", "function": {"name": ...}}
 
 
 @dataclass(frozen=True)
@@ -184,27 +169,11 @@ def tool_fields(body: dict, parser: ToolParser) -> ToolFields:
         raise FieldError("parallel_tool_calls", "parallel_tool_calls must be true or false")
     if choice is ToolChoice.NONE:
         return ToolFields()
-    constraint = None
-    if choice in (ToolChoice.REQUIRED, ToolChoice.NAMED):
-        chosen = tuple(t for t in tools if t.name == named) if named else tools
-        for tool in chosen:
-            _check_enforceable(tools.index(tool), tool, choice)
-        constraint = Constraint(ConstraintKind.LARK, call_grammar(parser, chosen, parallel))
+    try:
+        constraint = call_constraint(parser, tools, choice, named, parallel)
+    except ToolError as exc:
+        raise FieldError(exc.where, str(exc)) from None
     return ToolFields(tools, choice, parallel, constraint)
-
-
-def _check_enforceable(index: int, tool: ToolSpec, choice: ToolChoice) -> None:
-    """A schema the grammar engine cannot enforce (a look-around pattern, a
-    remote $ref) is refused naming its function, not as the whole grammar."""
-    if not tool.parameters_json:
-        return
-    import llguidance
-
-    problem = llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("json_schema", tool.parameters_json))
-    if problem:
-        where = f"tools[{index}].function.parameters"
-        raise FieldError(where, f"{where} cannot be enforced for tool_choice {choice.value}: "
-                                f"{problem.strip().splitlines()[-1][:200]}")
 
 
 def _tools(value: object) -> tuple[ToolSpec, ...]:
@@ -248,22 +217,15 @@ def _tool(where: str, tool: object) -> ToolSpec:
 
 
 def _parameters(where: str, schema: object) -> str:
-    """The schema as JSON text; a schema that is not one is refused here,
-    whatever tool_choice says, so a bad definition never reaches a template."""
+    """The schema as JSON text (server/tool_calls.py checks it)."""
     if schema is None:
         return ""
     if not isinstance(schema, dict):
         raise FieldError(where, f"{where} must be a JSON schema object, got {json_type_name(schema)}")
-    from jsonschema import exceptions, validators
-
     try:
-        validators.validator_for(schema, default=validators.Draft202012Validator).check_schema(schema)
-    except exceptions.SchemaError as exc:
-        at = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in exc.path)
-        raise FieldError(where, f"{where}{at} is not a valid JSON schema: {exc.message[:200]}") from None
-    if schema.get("type", "object") != "object":
-        raise FieldError(where, f"{where} must describe an object (type: object), got type {schema['type']!r}")
-    return json.dumps(schema, ensure_ascii=False)
+        return check_parameters(where, schema)
+    except ToolError as exc:
+        raise FieldError(exc.where, str(exc)) from None
 
 
 def _tool_choice(value: object, tools: tuple[ToolSpec, ...]) -> tuple[ToolChoice, str]:
@@ -283,106 +245,3 @@ def _tool_choice(value: object, tools: tuple[ToolSpec, ...]) -> tuple[ToolChoice
         return ToolChoice.NAMED, name
     raise FieldError("tool_choice", "tool_choice must be none, auto, required or {'type': 'function', 'function': "
                                     f"{{'name': ...}}}}, got {json.dumps(value)[:80]}")
-
-
-# -- the grammar of a call --------------------------------------------------------
-
-
-def call_grammar(parser: ToolParser, tools: tuple[ToolSpec, ...], parallel: bool) -> str:
-    """A Lark grammar (llguidance's, with `%json` schemas inline) whose
-    every sentence is one call, or with `parallel` one or more, in the
-    format `parser` reads, each function's arguments valid for its schema.
-    Keys come in the trained order, name first, so the call streams."""
-    key = "parameters" if parser is ToolParser.LLAMA3 else "arguments"
-    any_object = '{"type": "object"}'
-    rules = [f'fn_{i}: "{t.name}\\", \\"{key}\\": " %json {t.parameters_json or any_object}'
-             for i, t in enumerate(tools)]
-    body = '"{\\"name\\": \\"" (' + " | ".join(f"fn_{i}" for i in range(len(tools))) + ') "}"'
-    if parser is ToolParser.LLAMA3:
-        call, joiner = f"call: {body}", '"; "'
-    else:
-        call, joiner = f'call: "<tool_call>\\n" {body} "\\n</tool_call>"', '"\\n"'
-    start = f"start: call ({joiner} call)*" if parallel else "start: call"
-    return "\n".join([start, call, *rules]) + "\n"
-
-
-# -- the answer --------------------------------------------------------------------
-
-
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-class AnswerReader:
-    """One choice's text, read into OpenAI's message fields as it streams:
-    `reasoning_content`, `content` and `tool_calls`."""
-
-    def __init__(self, tool_parser: ToolParser | None, reasoning_parser: ReasoningParser | None) -> None:
-        self.tools = new_tool_parser(tool_parser) if tool_parser is not None else None
-        self.reasoning = new_reasoning_parser(reasoning_parser) if reasoning_parser is not None else None
-        self.call_ids: list[str] = []
-        # the whole answer, for JSON
-        self.content: list[str] = []
-        self.reasoning_text: list[str] = []
-        self.calls: list[dict] = []
-
-    @property
-    def has_calls(self) -> bool:
-        return bool(self.call_ids)
-
-    def feed(self, text: str) -> list[dict]:
-        """The deltas this piece of text makes sure of."""
-        if self.reasoning is None:
-            return self._answer("", text, final=False)
-        reasoning, content = self.reasoning.feed(text)
-        return self._answer(reasoning, content, final=False)
-
-    def finish(self) -> list[dict]:
-        if self.reasoning is None:
-            return self._answer("", "", final=True)
-        reasoning, content = self.reasoning.finish()
-        return self._answer(reasoning, content, final=True)
-
-    def _answer(self, reasoning: str, content: str, final: bool) -> list[dict]:
-        deltas = []
-        if reasoning:
-            self.reasoning_text.append(reasoning)
-            deltas.append({"reasoning_content": reasoning})
-        if self.tools is None:
-            events = [Content(content)] if content else []
-        else:
-            events = self.tools.feed(content) if content else []
-            if final:
-                events += self.tools.finish()
-        for event in events:
-            deltas.append(self._delta(event))
-        return deltas
-
-    def _delta(self, event) -> dict:
-        if isinstance(event, Content):
-            self.content.append(event.text)
-            return {"content": event.text}
-        if isinstance(event, CallStart):
-            self.call_ids.append(new_call_id())
-            self.calls.append({"id": self.call_ids[-1], "type": "function",
-                               "function": {"name": event.name, "arguments": ""}})
-            return {"tool_calls": [{"index": event.index, "id": self.call_ids[-1], "type": "function",
-                                    "function": {"name": event.name, "arguments": ""}}]}
-        assert isinstance(event, CallArguments)
-        self.calls[event.index]["function"]["arguments"] += event.text
-        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
-
-    def message(self) -> dict:
-        """The JSON answer's message, once `feed` and `finish` saw it all."""
-        content = "".join(self.content)
-        message = {"role": "assistant", "content": content if content or not self.calls else None,
-                   "refusal": None}
-        if self.reasoning is not None:
-            message["reasoning_content"] = "".join(self.reasoning_text) or None
-        if self.calls:
-            message["tool_calls"] = self.calls
-        return message
-
-    def finish_reason(self, reason: str) -> str:
-        """OpenAI says tool_calls for an answer that ended with calls."""
-        return "tool_calls" if self.calls and reason == "stop" else reason

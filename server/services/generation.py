@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from modeld.backends.generation.params import (
-    ChatMessage, Constraint, ConstraintKind, FinalEvent, FinishReason, GenerateRequest, SamplingParams,
+    Constraint, ConstraintKind, FinalEvent, FinishReason, GenerateRequest, SamplingParams,
     SpeculativeMode, TokenEvent,
 )
 from modeld.gen import generation_pb2 as pb
 from modeld.gen import generation_pb2_grpc as pb_grpc
-from modeld.backends.errors import InvalidArgument
+from modeld.backends.errors import InvalidArgument, NotFound
+from modeld.backends.model_config import ReasoningParser, ToolParser
 from modeld.backends.generation.params import MAX_CHOICES, MAX_LOGIT_BIAS
 from modeld.server.dataplane import DataPlane
+from modeld.server.services.generation_tools import ChoiceAnswers, messages_from_proto, tool_request
 from modeld.server.services.limits import call_timeout_s
 from modeld.server.services.parsing import request_nbytes
 from modeld.server.services.status import current_request_id, grpc_errors
@@ -28,6 +31,7 @@ _FINISH = {
     FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
 }
+_DEFAULT_PARSERS = (ToolParser.HERMES, None)  # a model the repository does not know: the generation says so itself
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -71,16 +75,27 @@ def constraint_from_proto(msg: pb.Constraint) -> Constraint:
     return Constraint(ConstraintKind(kind), getattr(msg, kind))
 
 
-def request_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
+def request_from_proto(msg: pb.GenerateRequest, parser: ToolParser = ToolParser.HERMES) -> GenerateRequest:
+    """The engine's request; with tools, `parser` (the model's tool_parser)
+    decides the format a required call is written in."""
     kind = msg.WhichOneof("input")
+    params = sampling_from_proto(msg.sampling)
+    tools = tool_request(msg, parser)
+    if tools.constraint is not None:
+        if params.constraint is not None:
+            raise InvalidArgument("tool_choice required or function constrains the answer to a call and "
+                                  "sampling.constraint constrains it too; send one of them")
+        params = dataclasses.replace(params, constraint=tools.constraint)
     return GenerateRequest(
         model_name=msg.model,
         prompt=msg.prompt if kind == "prompt" else "",
         token_ids=tuple(msg.token_ids.ids) if kind == "token_ids" else (),
-        messages=tuple(ChatMessage(m.role, m.content) for m in msg.messages.messages) if kind == "messages" else (),
-        params=sampling_from_proto(msg.sampling),
+        messages=messages_from_proto(msg.messages.messages) if kind == "messages" else (),
+        params=params,
         request_id=current_request_id(),
         priority=msg.priority,
+        tools=tools.tools,
+        chat_template_kwargs=tools.chat_template_kwargs,
     )
 
 
@@ -113,12 +128,32 @@ class GenerationService(pb_grpc.GenerationServicer):
         # timeout, so a sequence past it leaves the batch the same way.
         timeout_s = call_timeout_s(context)
         self.plane.check_request_size(request.model, request_nbytes())
-        events = self.plane.generate_choices(request_from_proto(request), request.n or 1, timeout_s)
+        tool_parser, reasoning_parser = self._parsers(request)
+        generate = request_from_proto(request, tool_parser)
+        answers = ChoiceAnswers(tool_parser, reasoning_parser) if generate.tools else None
+        events = self.plane.generate_choices(generate, request.n or 1, timeout_s)
         try:
             async for index, event in events:
-                yield event_to_proto(event, index)
+                response = event_to_proto(event, index)
+                if answers is not None:
+                    if isinstance(event, FinalEvent):
+                        answers.finish(index, response)
+                    else:
+                        answers.feed(index, event.text)
+                yield response
         finally:
             await events.aclose()
+
+    def _parsers(self, request) -> tuple[ToolParser, ReasoningParser | None]:
+        """How the model writes its calls and reasoning (model.toml); only
+        asked when the request has tools."""
+        if not request.tools:
+            return _DEFAULT_PARSERS
+        try:
+            config = self.plane.model_config(request.model)
+        except NotFound:
+            return _DEFAULT_PARSERS
+        return config.tool_parser, config.reasoning_parser
 
     @grpc_errors
     async def Tokenize(self, request, context):

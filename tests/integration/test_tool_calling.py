@@ -253,3 +253,115 @@ def test_the_sdk_raises_bad_request_and_the_daemon_keeps_serving(client):
                                        messages=ASK + [{"role": "tool", "tool_call_id": "nope", "content": "x"}])
     answer = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=4, temperature=0)
     assert answer.choices[0].message.content
+
+
+# -- gRPC Generate: the same tools through the generated stub ------------------------------
+
+
+@pytest.fixture(scope="module")
+def generation(own):
+    import grpc
+
+    from modeld.gen import generation_pb2_grpc
+
+    with grpc.insecure_channel(own.address) as channel:
+        yield generation_pb2_grpc.GenerationStub(channel)
+
+
+def _proto_tools():
+    from modeld.gen import generation_pb2 as pb
+
+    return [pb.Tool(name=t["function"]["name"], description=t["function"]["description"],
+                    parameters=json.dumps(t["function"]["parameters"])) for t in TOOLS]
+
+
+def _generate(stub, **fields):
+    from modeld.gen import generation_pb2 as pb
+
+    request = pb.GenerateRequest(model="smollm2", messages=pb.ChatMessages(messages=[
+        pb.ChatMessage(role=m["role"], content=m["content"]) for m in ASK]), tools=_proto_tools(), **fields)
+    replies = list(stub.Generate(request, timeout=600))
+    return "".join(r.text for r in replies), replies[-1]
+
+
+def test_grpc_required_gives_the_call_the_http_route_gives(generation, client):
+    from modeld.gen import generation_pb2 as pb
+
+    text, last = _generate(generation, tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_REQUIRED),
+                           parallel_tool_calls=False, sampling=pb.SamplingParams(max_tokens=96, temperature=0))
+    assert last.finish_reason == pb.FINISH_REASON_TOOL_CALLS
+    [call] = last.tool_calls
+    assert call.name in SCHEMAS and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    assert text.startswith("<tool_call>\n") and last.content == ""  # the raw text streams; the call is parsed
+    # one data plane: greedy decoding under the same grammar writes the same call on both protocols
+    http = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, tool_choice="required",
+                                          parallel_tool_calls=False, max_tokens=96, temperature=0)
+    [same] = http.choices[0].message.tool_calls
+    assert (same.function.name, json.loads(same.function.arguments)) == (call.name, json.loads(call.arguments))
+
+
+@pytest.mark.slow
+def test_grpc_a_named_function_is_the_one_called(generation):
+    from modeld.gen import generation_pb2 as pb
+
+    request = pb.GenerateRequest(
+        model="smollm2", messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in ASK]), tools=_proto_tools(),
+        tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_FUNCTION, function="get_time"), parallel_tool_calls=False,
+        n=2, sampling=pb.SamplingParams(max_tokens=64, temperature=0.7, seed=3))
+    # each choice's last message carries that choice's call
+    lasts = [r for r in generation.Generate(request, timeout=600) if r.finish_reason]
+    assert sorted(r.index for r in lasts) == [0, 1]
+    for last in lasts:
+        assert last.finish_reason == pb.FINISH_REASON_TOOL_CALLS
+        [call] = last.tool_calls
+        assert call.name == "get_time"
+        jsonschema.validate(json.loads(call.arguments), TIME_SCHEMA)
+
+
+@pytest.mark.slow
+def test_grpc_history_with_a_call_and_its_result_is_served(generation):
+    from modeld.gen import generation_pb2 as pb
+
+    messages = [pb.ChatMessage(role="user", content=ASK[0]["content"]),
+                pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(
+                    id="call_1", name="get_weather", arguments='{"city": "Paris", "unit": "celsius", "days": 3}')]),
+                pb.ChatMessage(role="tool", tool_call_id="call_1", name="get_weather", content="sunny, 21 C")]
+    request = pb.GenerateRequest(model="smollm2", messages=pb.ChatMessages(messages=messages), tools=_proto_tools(),
+                                 tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_NONE),
+                                 sampling=pb.SamplingParams(max_tokens=8, temperature=0))
+    replies = list(generation.Generate(request, timeout=600))
+    assert replies[-1].finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+    assert replies[-1].usage.completion_tokens >= 1 and not replies[-1].tool_calls
+
+
+GRPC_BAD = {
+    "unknown function": (dict(tool_choice={"mode": "TOOL_CHOICE_FUNCTION", "function": "nope"}), "tool_choice"),
+    "function without a name": (dict(tool_choice={"mode": "TOOL_CHOICE_FUNCTION"}), "tool_choice.function"),
+    "schema not JSON": (dict(tools=[{"name": "f", "parameters": "{nope"}]), "tools[0].parameters"),
+    "schema not an object schema": (dict(tools=[{"name": "f", "parameters": '{"type": "array"}'}]),
+                                    "tools[0].parameters"),
+    "bad function name": (dict(tools=[{"name": "no spaces"}]), "tools[0].name"),
+    "result without its call": (dict(messages={"messages": [{"role": "tool", "tool_call_id": "x", "content": "1"}]}),
+                                "tool_call_id"),
+    "required without tools": (dict(tools=[], tool_choice={"mode": "TOOL_CHOICE_REQUIRED"}), "needs tools"),
+    "template kwargs not an object": (dict(chat_template_kwargs="[1]"), "chat_template_kwargs"),
+    "template kwargs set messages": (dict(chat_template_kwargs='{"messages": []}'), "chat_template_kwargs"),
+}
+
+
+@pytest.mark.parametrize("case", list(GRPC_BAD))
+def test_grpc_bad_tool_input_is_invalid_argument_naming_the_field(generation, case):
+    import grpc
+    from google.protobuf import json_format
+
+    from modeld.gen import generation_pb2 as pb
+
+    fields, named = GRPC_BAD[case]
+    body = {"model": "smollm2", "messages": {"messages": ASK}, "sampling": {"maxTokens": 4},
+            "tools": [{"name": t.name, "parameters": t.parameters} for t in _proto_tools()], **fields}
+    request = json_format.ParseDict(body, pb.GenerateRequest())
+    with pytest.raises(grpc.RpcError) as failure:
+        list(generation.Generate(request, timeout=600))
+    assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in failure.value.details()
