@@ -48,3 +48,25 @@ def test_held_text_is_released_once_it_cannot_be_a_stop():
 def test_the_earliest_stop_wins_whichever_string_it_is():
     text = IncrementalText(("world", "o"))
     assert text.push(b"hello world") == "hell"
+
+
+def test_below_min_tokens_a_stop_string_does_not_end_the_text():
+    text = IncrementalText(("STOP",), min_tokens=3)
+    # tokens 1 and 2 hold a whole stop string: it is text like any other
+    assert _feed(text, [b"a STOP", b" b"]) == ["a STOP", " b"]
+    assert not text.stopped
+    assert text.push(b" STOP c") == " " and text.stopped  # the third token's stop counts
+
+
+def test_a_stop_the_min_tokens_th_token_completes_counts():
+    text = IncrementalText(("STOP",), min_tokens=2)
+    assert _feed(text, [b"x ST", b"OP y"]) == ["x ", ""]
+    assert text.stopped
+
+
+def test_a_stop_that_ended_before_min_tokens_never_counts_later():
+    # "xa" is held (it may begin "xab") though it holds the whole stop "a"
+    text = IncrementalText(("a", "xab"), min_tokens=2)
+    assert text.push(b"xa") == ""
+    assert text.push(b"c") == "xac" and not text.stopped
+    assert text.push(b"da") == "d" and text.stopped
