@@ -89,3 +89,55 @@ class UnhealthyBackend(_message.Message):
     reason: str
     retry_in_s: float
     def __init__(self, name: _Optional[str] = ..., reason: _Optional[str] = ..., retry_in_s: _Optional[float] = ...) -> None: ...
+
+class WatchKvEventsRequest(_message.Message):
+    __slots__ = ("interval_ms",)
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    interval_ms: int
+    def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
+
+class KvEvents(_message.Message):
+    __slots__ = ("snapshot", "models", "sequence")
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    snapshot: bool
+    models: _containers.RepeatedCompositeFieldContainer[ModelKvEvents]
+    sequence: int
+    def __init__(self, snapshot: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[ModelKvEvents, _Mapping]]] = ..., sequence: _Optional[int] = ...) -> None: ...
+
+class ModelKvEvents(_message.Message):
+    __slots__ = ("model", "block_size", "stored", "removed", "cleared", "cache")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    block_size: int
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    cleared: bool
+    cache: str
+    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., cleared: _Optional[bool] = ..., cache: _Optional[str] = ...) -> None: ...
+
+class PromptBlocksRequest(_message.Message):
+    __slots__ = ("generate", "model_infer")
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_INFER_FIELD_NUMBER: _ClassVar[int]
+    generate: bytes
+    model_infer: bytes
+    def __init__(self, generate: _Optional[bytes] = ..., model_infer: _Optional[bytes] = ...) -> None: ...
+
+class PromptBlocksResponse(_message.Message):
+    __slots__ = ("model", "block_size", "hashes", "num_prompt_tokens")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    block_size: int
+    hashes: _containers.RepeatedScalarFieldContainer[int]
+    num_prompt_tokens: int
+    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., hashes: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...

@@ -44,6 +44,16 @@ class NodeStub:
                 request_serializer=node__pb2.WatchStatsRequest.SerializeToString,
                 response_deserializer=node__pb2.NodeStats.FromString,
                 _registered_method=True)
+        self.WatchKvEvents = channel.unary_stream(
+                '/modeld.v1.Node/WatchKvEvents',
+                request_serializer=node__pb2.WatchKvEventsRequest.SerializeToString,
+                response_deserializer=node__pb2.KvEvents.FromString,
+                _registered_method=True)
+        self.PromptBlocks = channel.unary_unary(
+                '/modeld.v1.Node/PromptBlocks',
+                request_serializer=node__pb2.PromptBlocksRequest.SerializeToString,
+                response_deserializer=node__pb2.PromptBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -63,6 +73,24 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchKvEvents(self, request, context):
+        """This daemon's prefix caches: a snapshot of the block hashes every
+        language model holds, then the blocks stored and removed since, until
+        the call is cancelled or the daemon drains. A watcher too slow to take
+        the changes as they come gets a fresh snapshot instead of a backlog.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PromptBlocks(self, request, context):
+        """The block hashes of a prompt as this daemon's cache for its model keys
+        them: the model's tokenizer and chat template, its block size and hash.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +103,16 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.WatchStats,
                     request_deserializer=node__pb2.WatchStatsRequest.FromString,
                     response_serializer=node__pb2.NodeStats.SerializeToString,
+            ),
+            'WatchKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKvEvents,
+                    request_deserializer=node__pb2.WatchKvEventsRequest.FromString,
+                    response_serializer=node__pb2.KvEvents.SerializeToString,
+            ),
+            'PromptBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PromptBlocks,
+                    request_deserializer=node__pb2.PromptBlocksRequest.FromString,
+                    response_serializer=node__pb2.PromptBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +169,60 @@ class Node:
             '/modeld.v1.Node/WatchStats',
             node__pb2.WatchStatsRequest.SerializeToString,
             node__pb2.NodeStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/modeld.v1.Node/WatchKvEvents',
+            node__pb2.WatchKvEventsRequest.SerializeToString,
+            node__pb2.KvEvents.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PromptBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/modeld.v1.Node/PromptBlocks',
+            node__pb2.PromptBlocksRequest.SerializeToString,
+            node__pb2.PromptBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

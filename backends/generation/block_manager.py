@@ -86,6 +86,23 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    # -- what a gateway reads (server/services/kv_events.py) -------------------
+
+    kv_cache_kind = "paged"
+
+    @property
+    def kv_block_size(self) -> int:
+        return self.block_size
+
+    def kv_block_hashes(self) -> frozenset[int]:
+        """The chain hashes a prompt's lookup can hit now. Called from
+        another thread than the one changing the cache: copying a dict of
+        ints runs without releasing the GIL, so the copy is consistent."""
+        return frozenset(self.cached.copy())
+
+    def kv_prompt_hashes(self, token_ids: list[int], salt: bytes = b"") -> list[int]:
+        return prompt_hashes(token_ids, self.block_size, salt)
+
     # -- prefix cache ----------------------------------------------------------
 
     def start_sequence(self, seq_id: int, salt: bytes = b"") -> None:

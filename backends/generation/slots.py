@@ -23,6 +23,14 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Iterable, Protocol
 
+from modeld.backends.generation.block_manager import chain_hash, prompt_hashes
+
+# Slots reuse any common prefix, token by token; what a gateway is told of
+# them (kv_block_hashes) is each slot's computed tokens cut into blocks of
+# this many, chain-hashed as the paged cache hashes its blocks, so a prompt
+# whose first k blocks match a slot's reuses at least k blocks there.
+KV_BLOCK_TOKENS = 16
+
 
 class SlotUser(Protocol):
     token_ids: list[int]
@@ -73,6 +81,9 @@ class SlotPool:
         self.free: list[int] = list(range(num_slots - 1, -1, -1))
         self.cached: OrderedDict[int, list[int]] = OrderedDict()  # LRU first
         self.active: dict[int, SlotUser] = {}  # slot -> the running sequence in it
+        # kv_block_hashes' memo, touched only by its reader: slot -> (the
+        # token list hashed, its block hashes so far)
+        self._hashed: dict[int, tuple[list[int], list[int]]] = {}
 
     @property
     def num_cached_cells(self) -> int:
@@ -82,6 +93,41 @@ class SlotPool:
     def num_runs(self) -> int:
         """Forward passes a step over every active slot costs."""
         return slot_runs(self.active)
+
+    # -- what a gateway reads (server/services/kv_events.py) -------------------
+
+    kv_cache_kind = "slots"
+    kv_block_size = KV_BLOCK_TOKENS
+
+    def kv_block_hashes(self) -> frozenset[int]:
+        """Block hashes of every cached slot's tokens and every running
+        slot's computed ones. Read from another thread than the one that
+        changes the pool: the dict copies run without releasing the GIL; a
+        slot's list is only appended to while it runs, and a cached slot's
+        is a list of its own, so hashes remembered for a list stay true for
+        its first blocks."""
+        hashes, memo = set(), {}
+        lists = [(slot, tokens, len(tokens)) for slot, tokens in self.cached.copy().items()]
+        lists += [(slot, user.token_ids, user.num_computed) for slot, user in self.active.copy().items()]
+        for slot, tokens, num_tokens in lists:
+            done = self._slot_hashes(slot, tokens, num_tokens)
+            memo[slot] = (tokens, done)
+            hashes.update(done)
+        self._hashed = memo
+        return frozenset(hashes)
+
+    def _slot_hashes(self, slot: int, tokens: list[int], num_tokens: int) -> list[int]:
+        num_blocks = min(num_tokens, len(tokens)) // KV_BLOCK_TOKENS
+        seen = self._hashed.get(slot)
+        done = seen[1][:num_blocks] if seen is not None and seen[0] is tokens else []
+        previous = done[-1] if done else 0
+        for index in range(len(done), num_blocks):
+            previous = chain_hash(previous, tuple(tokens[index * KV_BLOCK_TOKENS:(index + 1) * KV_BLOCK_TOKENS]))
+            done.append(previous)
+        return done
+
+    def kv_prompt_hashes(self, token_ids: list[int], salt: bytes = b"") -> list[int]:
+        return prompt_hashes(token_ids, KV_BLOCK_TOKENS, salt)
 
     def can_grant(self) -> bool:
         return bool(self.free or self.cached)

@@ -6,8 +6,10 @@ model; among those the breaker admits and whose health score is above
 `min_score`, the call goes
 
 1. to a replica that already has the model loaded, if any (residency);
-2. to the one whose prompts share the longest prefix with this one, if any
-   (its KV cache is warm);
+2. with the daemons' KV events at hand (`kv`), to the one of least KV cost:
+   the prompt's blocks it would compute against the blocks active there
+   (kv_index.cost, NVIDIA Dynamo's); otherwise to the one whose forwarded
+   prompts share the longest prefix with this one, if any (a guess);
 3. to the only one left, or by power of two choices among several;
 
 always among replicas within the load bound of consistent hashing with
@@ -41,7 +43,8 @@ class PickReason(str, Enum):
     RING = "ring"  # the only good replica within the bound
     P2C = "p2c"  # power of two choices among good replicas
     SPILL = "spill"  # off the replicas, further along the ring
-    PREFIX = "prefix"  # the replica with the longest matching prompt prefix
+    PREFIX = "prefix"  # the replica with the longest matching prompt prefix (the text guess)
+    KV = "kv"  # the replica of least KV cost, from the daemons' own cache events
     UPDATE = "update"  # update traffic, over all nodes
 
 
@@ -49,6 +52,21 @@ class PickReason(str, Enum):
 class Pick:
     node: str
     reason: PickReason
+
+
+@dataclass(frozen=True)
+class KvRequest:
+    """A prompt's standing in the daemons' caches: leading blocks each node
+    holds (nodes with none absent), the prompt's blocks in all, and the
+    blocks active on a node."""
+
+    overlap: Mapping[str, int]
+    num_blocks: int
+    active_blocks: NodeMeasure
+    overlap_weight: float = 1.0
+
+    def cost(self, node: str) -> float:
+        return self.overlap_weight * (self.num_blocks - self.overlap.get(node, 0)) + self.active_blocks(node)
 
 
 def capacity(total_load: float, num_nodes: int, bound: float = 1.25) -> float:
@@ -99,6 +117,8 @@ def place(
     loaded: NodePredicate | None = None,
     prefix: Mapping[str, int] | None = None,
     fleet_load: tuple[float, int] | None = None,
+    kv: KvRequest | None = None,
+    pulling: NodePredicate | None = None,
 ) -> Pick | None:
     """Where a call for `key` (a model id) goes; None when no node is admitted.
 
@@ -117,7 +137,7 @@ def place(
     replicas = ring.replicas(key, k)
     eligible = [r for r in replicas if view.is_eligible(r)]
     if eligible:
-        return _place_on_replicas(key, ring, replicas, eligible, view, rng, loaded, prefix)
+        return _place_on_replicas(key, ring, replicas, eligible, view, rng, loaded, prefix, kv, pulling)
     return Pick(_spill_without_replicas(key, ring, len(replicas), view), PickReason.SPILL)
 
 
@@ -195,8 +215,16 @@ def _place_on_replicas(
     rng: random.Random,
     loaded: NodePredicate | None,
     prefix: Mapping[str, int] | None,
+    kv: KvRequest | None = None,
+    pulling: NodePredicate | None = None,
 ) -> Pick:
     resident = [r for r in eligible if loaded(r)] if loaded is not None else []
+    if resident and pulling is not None:
+        # a replica still pulling the model from the store would hold the
+        # call until its download and load finish: while another has the
+        # model ready, it is no candidate (with none ready it is the one
+        # that will serve first, so the call waits there)
+        eligible = [r for r in eligible if not pulling(r)]
     # A replica that must load the model first pays seconds for that call
     # and may evict another model, which the next call of that one pays for
     # again: where memory holds fewer models than the ring asks of a node,
@@ -205,6 +233,8 @@ def _place_on_replicas(
     # up to RESIDENT_SLACK times the bound before one without the model does.
     pool = [r for r in resident if view.fits(r, RESIDENT_SLACK)] or [r for r in eligible if view.fits(r)]
     if pool:
+        if kv is not None:
+            return _least_kv_cost(pool, view, rng, kv)
         return _choose_within(pool, view, rng, prefix)
     spill = next((n for n in _past_replicas(key, ring, len(replicas)) if view.is_eligible(n) and view.fits(n)), None)
     if spill is not None:
@@ -224,6 +254,15 @@ def _choose_within(pool: list[str], view: _FleetView, rng: random.Random, prefix
     if len(pool) == 1:
         return Pick(pool[0], PickReason.RING)
     return Pick(p2c(pool, view.load, view.score, rng), PickReason.P2C)
+
+
+def _least_kv_cost(pool: list[str], view: _FleetView, rng: random.Random, kv: KvRequest) -> Pick:
+    """The replica of least KV cost; among equals (an idle fleet holding
+    none of the prompt), power of two choices."""
+    costs = {n: kv.cost(n) for n in pool}
+    least = min(costs.values())
+    tied = [n for n in pool if costs[n] == least]
+    return Pick(tied[0] if len(tied) == 1 else p2c(tied, view.load, view.score, rng), PickReason.KV)
 
 
 def _spill_without_replicas(key: str, ring: HashRing, num_replicas: int, view: _FleetView) -> str:

@@ -18,6 +18,7 @@ from modeld.gen import node_pb2, node_pb2_grpc
 from modeld.server.auth import FLEET_CHALLENGE_HEADER, FLEET_PROOF_HEADER
 from modeld.server.gateway.breaker import BreakerState, CircuitBreaker, is_server_failure
 from modeld.server.gateway.config import GatewaySettings, NodeCredentials
+from modeld.server.gateway.kv_index import KvEventError, NodeKvIndex
 from modeld.server.gateway.metrics import BREAKER_VALUE, GatewayMetrics
 from modeld.server.gateway.ring import HashRing
 from modeld.server.gateway.score import NodeHealth
@@ -26,6 +27,9 @@ log = structlog.get_logger("modeld.gateway")
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 SCORE_TTL_S = 0.05
+KV_WATCH_INTERVAL_MS = 50
+KV_RETRY_MAX_S = 2.0
+KV_UNSUPPORTED_RETRY_S = 30.0  # a daemon without WatchKvEvents (an older release)
 
 
 class Node:
@@ -86,6 +90,9 @@ class Node:
         self.in_flight = 0          # calls this gateway has open on the node
         self._score, self._score_at = 1.0, -1.0
         self._ready_models: frozenset[str] = frozenset()
+        self.pulling: dict[str, tuple[int, int]] = {}  # model -> (bytes done, total) while the node pulls it
+        self.kv = NodeKvIndex()  # its prefix caches, from its WatchKvEvents stream
+        self.kv_active_blocks = 0  # prompt blocks of the KV-routed generations this gateway has open here
         self.calls: set[asyncio.Task] = set()   # tasks awaiting a unary call here
         # tasks awaiting a fan-out (a load or unload sent to every replica):
         # they have no other node to move to, so a late Stats answer alone
@@ -119,6 +126,11 @@ class Node:
 
     def has_model(self, model: str) -> bool:
         return model in self._ready_models
+
+    def is_pulling(self, model: str) -> bool:
+        """The node is fetching the model from the store (issue 31's
+        PULLING): it will serve it, but not yet."""
+        return model in self.pulling
 
     def score(self) -> float:
         """The health score, recomputed at most every SCORE_TTL_S: it moves
@@ -181,7 +193,8 @@ class Node:
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         if self.admitted:
-            self._tasks = [loop.create_task(self._watch_health()), loop.create_task(self._poll_stats())]
+            self._tasks = [loop.create_task(self._watch_health()), loop.create_task(self._poll_stats()),
+                           loop.create_task(self._watch_kv())]
             self.metrics.admitted.labels(self.address).set(1)
         else:
             self.metrics.admitted.labels(self.address).set(0)
@@ -218,7 +231,8 @@ class Node:
                 self.metrics.admitted.labels(self.address).set(1)
                 log.info("node_admitted", node=self.name, address=self.address)
                 loop = asyncio.get_running_loop()
-                self._tasks += [loop.create_task(self._watch_health()), loop.create_task(self._poll_stats())]
+                self._tasks += [loop.create_task(self._watch_health()), loop.create_task(self._poll_stats()),
+                                loop.create_task(self._watch_kv())]
                 return
             self.last_error = f"not admitted to the ring: {why}"
             if why != logged:
@@ -269,6 +283,39 @@ class Node:
                 self._set_serving(False, self.last_error)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 1.0)
+
+    async def _watch_kv(self) -> None:
+        """The node's prefix-cache events into `kv`. The index is dropped
+        whenever the stream ends or fails (a restarted node's cache is
+        empty; a drained one takes no prompts) and whenever a message is
+        garbage; a new stream's snapshot rebuilds it."""
+        stub = node_pb2_grpc.NodeStub(self.channel)
+        backoff = 0.1
+        while True:
+            why = "stream ended"
+            call = stub.WatchKvEvents(node_pb2.WatchKvEventsRequest(interval_ms=KV_WATCH_INTERVAL_MS),
+                                      metadata=self._probe_metadata)
+            try:
+                async for events in call:
+                    self.kv.apply(events)
+                    backoff = 0.1
+            except KvEventError as exc:
+                why = f"garbage on its KV event stream: {exc}"
+                log.warning("node_kv_events_dropped", node=self.name, address=self.address, reason=str(exc))
+                call.cancel()
+            except grpc.aio.AioRpcError as exc:
+                why = f"{exc.code().name}: {exc.details()}"
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    backoff = KV_UNSUPPORTED_RETRY_S
+                elif exc.code() == grpc.StatusCode.INTERNAL:  # e.g. a message that does not parse
+                    log.warning("node_kv_events_dropped", node=self.name, address=self.address, reason=why)
+            finally:
+                if self.kv.models:
+                    log.info("node_kv_index_dropped", node=self.name, address=self.address, reason=why,
+                             num_blocks=self.kv.num_hashes)
+                self.kv.clear()
+            await asyncio.sleep(backoff)
+            backoff = min(max(backoff * 2, 0.1), max(backoff, KV_RETRY_MAX_S))
 
     async def _poll_stats(self) -> None:
         """Stats on a short deadline: the load figures routing reads, and the
@@ -338,6 +385,7 @@ class Node:
         first = self.stats_at == 0.0
         self.stats, self.stats_at = stats, time.monotonic()
         self._ready_models = frozenset(m.name for m in stats.models if m.state == "READY")
+        self.pulling = {m.name: (m.pull_bytes_done, m.pull_bytes_total) for m in stats.models if m.state == "PULLING"}
         if self.settings.dns and (first or stats.node_id and stats.node_id != self.name):
             self.name = stats.node_id or self.address
             self._on_change(self)

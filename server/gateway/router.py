@@ -16,12 +16,14 @@ import time
 import grpc
 import structlog
 
-from modeld.server.gateway.balance import Pick, place, place_update
+from modeld.gen import generation_pb2, node_pb2, node_pb2_grpc
+from modeld.server.gateway.balance import KvRequest, Pick, place, place_update
 from modeld.server.gateway.breaker import BreakerState
 from modeld.server.gateway.call_options import CallOptions
 from modeld.server.gateway.config import GatewaySettings
 from modeld.server.gateway.failure import CallFailed
 from modeld.server.gateway.hedge import LatencyTracker, TokenBucket
+from modeld.server.gateway.kv_index import OVERLAP_WEIGHT, PromptBlocks, overlaps
 from modeld.server.gateway.metrics import GatewayMetrics
 from modeld.server.gateway.nodes import Fleet, Node
 from modeld.server.gateway.prefix import PrefixIndex
@@ -29,6 +31,11 @@ from modeld.server.gateway.prefix import PrefixIndex
 log = structlog.get_logger("modeld.gateway")
 
 FLEET_LOAD_TTL_S = 0.005
+# A prompt's block hashes come from a node that serves the model (Node/
+# PromptBlocks: its own tokenizer, chat template, block size and hash): one
+# loopback hop, well under a millisecond, before a call whose first token
+# takes tens. Past this the call is routed on the text guess instead.
+KV_LOOKUP_TIMEOUT_S = 0.25
 _OK = grpc.StatusCode.OK
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 _CANCELLED = grpc.StatusCode.CANCELLED
@@ -88,13 +95,67 @@ class Router:
     def _score(self, name: str) -> float:
         return self.fleet.by_name[name].score()
 
+    # -- KV-aware routing ------------------------------------------------------
+
+    def kv_models(self) -> set[str]:
+        """Models some node publishes prefix-cache blocks for."""
+        return {m for n in self.fleet.by_name.values() for m in n.kv.models}
+
+    async def prompt_blocks(self, model: str, *, generate: bytes = b"", model_infer: bytes = b"",
+                            metadata=()) -> PromptBlocks | None:
+        """The prompt's block hashes as the model's caches key them, from a
+        node that publishes the model's blocks (the least loaded); None when
+        none does or it cannot say in time: the caller routes on its guess."""
+        holders = [n for n in self.fleet.routable() if model in n.kv.models]
+        if not holders:
+            return None
+        node = min(holders, key=lambda n: n.load())
+        request = node_pb2.PromptBlocksRequest(generate=generate) if generate else \
+            node_pb2.PromptBlocksRequest(model_infer=model_infer)
+        try:
+            reply = await node_pb2_grpc.NodeStub(node.channel).PromptBlocks(
+                request, timeout=KV_LOOKUP_TIMEOUT_S, metadata=node._probe_metadata)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("kv_lookup_failed", model=model, node=node.name, reason=f"{exc.code().name}: {exc.details()}")
+            return None
+        return PromptBlocks(reply.model or model, reply.block_size, tuple(reply.hashes))
+
+    async def kv_blocks_for(self, model: str, *, prompt: str | None = None,
+                            messages: list[tuple[str, str]] | None = None,
+                            token_ids: list[int] | None = None) -> PromptBlocks | None:
+        """prompt_blocks for a caller that holds no GenerateRequest (the
+        HTTP front: an OpenAI completion's prompt or a chat's (role,
+        content) messages). None: route with `key` alone (the guess)."""
+        if model not in self.kv_models():
+            return None
+        request = generation_pb2.GenerateRequest(model=model)
+        if messages is not None:
+            request.messages.messages.extend(generation_pb2.ChatMessage(role=r, content=c) for r, c in messages)
+        elif token_ids is not None:
+            request.token_ids.ids.extend(token_ids)
+        else:
+            request.prompt = prompt or ""
+        return await self.prompt_blocks(model, generate=request.SerializeToString())
+
+    def _kv_request(self, prompt: PromptBlocks | None) -> KvRequest | None:
+        if prompt is None or not prompt.hashes:
+            return None
+        indexes = {name: node.kv for name, node in self.fleet.by_name.items() if node.kv.live}
+        if not indexes:
+            return None  # no stream is live: the guess knows more than an empty index
+        return KvRequest(overlaps(indexes, indexes, prompt), prompt.num_blocks,
+                         lambda name: self.fleet.by_name[name].kv_active_blocks, OVERLAP_WEIGHT)
+
     def place(self, model: str, *, update: bool = False, key: str = "",
-              exclude: frozenset[str] = frozenset()) -> tuple[Node, str]:
+              exclude: frozenset[str] = frozenset(), kv: PromptBlocks | None = None) -> tuple[Node, str]:
         """A node for the call and why, with its breaker's admission taken;
-        UNAVAILABLE with the reason when no node can take it."""
+        UNAVAILABLE with the reason when no node can take it. `kv`: the
+        prompt's blocks (prompt_blocks), for KV-aware routing; `key`: its
+        text, for the guess when `kv` is None."""
         strict = True
+        kv_request = self._kv_request(kv) if not update else None
         for _ in range(2 * max(1, len(self.fleet.by_name))):
-            pick = self._pick(model, update, key, exclude, strict)
+            pick = self._pick(model, update, key, exclude, strict, kv_request)
             if pick is None:
                 if not strict:
                     break
@@ -106,18 +167,20 @@ class Router:
             exclude = exclude | {pick.node}
         raise CallFailed(_UNAVAILABLE, self.why_unavailable(model))
 
-    def _pick(self, model: str, update: bool, key: str, exclude: frozenset[str], strict: bool) -> Pick | None:
+    def _pick(self, model: str, update: bool, key: str, exclude: frozenset[str], strict: bool,
+              kv: KvRequest | None = None) -> Pick | None:
         admitted = self._admitted(exclude, strict)
         if update or not model:
             pick = place_update(self.fleet.by_name, admitted=admitted, load=self._load, score=self._score,
                                 rng=self.rng, min_score=self.settings.min_score)
             return Pick(pick.node, "any") if pick is not None and not update else pick
-        prefix = (self.prefixes.match(key) or None) if key else None
+        prefix = (self.prefixes.match(key) or None) if key and kv is None else None
         return place(model, self.fleet.ring, self.settings.replicas, admitted=admitted, load=self._load,
                      score=self._score, rng=self.rng, min_score=self.settings.min_score,
                      bound=self.settings.load_bound,
                      loaded=lambda name: self.fleet.by_name[name].has_model(model), prefix=prefix,
-                     fleet_load=None if exclude or not strict else self._fleet_load())
+                     fleet_load=None if exclude or not strict else self._fleet_load(), kv=kv,
+                     pulling=lambda name: self.fleet.by_name[name].is_pulling(model))
 
     def _count_pick(self, node: Node, pick: Pick) -> str:
         reason = getattr(pick.reason, "value", pick.reason)
@@ -127,9 +190,10 @@ class Router:
         counter.inc()
         return reason
 
-    def route(self, method: str, model: str, opts: CallOptions, key: str = "") -> Route:
+    def route(self, method: str, model: str, opts: CallOptions, key: str = "",
+              kv: PromptBlocks | None = None) -> Route:
         """The call placed, with its one retry to come."""
-        return Route(self, method, model, opts, key)
+        return Route(self, method, model, opts, key, kv)
 
     def visit(self, node: Node, what: str, *, model: str = "", admitted: bool = True,
               timeout: float | None = None) -> NodeVisit:
@@ -173,15 +237,20 @@ class Route:
     another node. A prompt `key` makes each node chosen remember it, for
     prefix affinity."""
 
-    __slots__ = ("router", "method", "model", "opts", "key", "node", "_retried")
+    __slots__ = ("router", "method", "model", "opts", "key", "kv", "node", "reason", "_retried", "_charged")
 
-    def __init__(self, router: Router, method: str, model: str, opts: CallOptions, key: str = "") -> None:
-        self.router, self.method, self.model, self.opts, self.key = router, method, model, opts, key
+    def __init__(self, router: Router, method: str, model: str, opts: CallOptions, key: str = "",
+                 kv: PromptBlocks | None = None) -> None:
+        self.router, self.method, self.model, self.opts, self.key, self.kv = router, method, model, opts, key, kv
         self._retried = False
+        self._charged: Node | None = None
         self.node = self._place(frozenset())
 
     def _place(self, exclude: frozenset[str]) -> Node:
-        node, reason = self.router.place(self.model, update=self.opts.update, key=self.key, exclude=exclude)
+        node, reason = self.router.place(self.model, update=self.opts.update, key=self.key, exclude=exclude,
+                                         kv=self.kv)
+        self.reason = reason
+        self._charge(node)
         if self.key:
             self.router.remember_prompt(node.name, self.key)
         log.debug("routed", method=self.method, model=self.model, node=node.name, reason=reason,
@@ -206,6 +275,20 @@ class Route:
         log.info("retry", method=self.method, model=self.model, failed_node=failed.name, node=self.node.name,
                  reason=failure.details, request_id=self.opts.request_id)
         return self.node
+
+    def _charge(self, node: Node) -> None:
+        """The prompt's blocks count as active on the node the call is on
+        (kv_index.cost's second term) until `finish`."""
+        self.finish()
+        if self.kv is not None:
+            node.kv_active_blocks += self.kv.num_blocks
+            self._charged = node
+
+    def finish(self) -> None:
+        """The call ended: its blocks are no longer active where it ran."""
+        if self._charged is not None and self.kv is not None:
+            self._charged.kv_active_blocks -= self.kv.num_blocks
+            self._charged = None
 
 
 class NodeVisit:

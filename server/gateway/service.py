@@ -144,7 +144,11 @@ class GatewayService:
 
     async def _routed_unary(self, method: str, data: bytes, opts: CallOptions, model: str,
                             hedge: bool = False, data_plane: bool = False, context=None) -> bytes:
-        route = self.router.route(method, model, opts)
+        # a language model's KServe text call (ModelInfer with text_input)
+        # goes where its prompt's blocks are, when some node publishes them
+        kv = await self.router.prompt_blocks(model, model_infer=data) \
+            if data_plane and model in self.router.kv_models() else None
+        route = self.router.route(method, model, opts, kv=kv)
         sample = model if data_plane else ""
         try:
             if hedge:
@@ -152,6 +156,8 @@ class GatewayService:
             return await self._call(route.node, method, data, opts, sample, context)
         except CallFailed as exc:
             return await self._call(route.retry(exc), method, data, opts, sample, context)
+        finally:
+            route.finish()
 
     async def _hedged(self, method: str, data: bytes, opts: CallOptions, model: str, primary: Node,
                       context=None) -> bytes:
@@ -403,6 +409,7 @@ class GatewayService:
         tenant = tenants.current()
         metered = tenant is not None and tenant.limited
         streaming = False
+        routed = None
         try:
             try:
                 if len(data) > self.settings.parse_in_thread_bytes:  # a long prompt: parsed off the event loop
@@ -421,7 +428,10 @@ class GatewayService:
                     raise CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message) from None
                 streaming = True
             key = prompt_key(request)
-            route = self.router.route(method, request.model, opts, key)
+            # the client's bytes as they are, unless a split retargeted them
+            kv = await self.router.prompt_blocks(request.model, generate=data) \
+                if request.model in self.router.kv_models() else None
+            route = routed = self.router.route(method, request.model, opts, key, kv)
             while True:
                 node, seen = route.node, []
                 call = node.unary_stream(method)(data, metadata=opts.metadata, timeout=opts.timeout)
@@ -439,6 +449,8 @@ class GatewayService:
         except CallFailed as exc:
             await exc.abort(context)
         finally:
+            if routed is not None:
+                routed.finish()
             if streaming:
                 tenant.end_stream()
 

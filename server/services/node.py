@@ -17,11 +17,13 @@ import time
 import grpc
 import structlog
 
+from modeld.backends.errors import ModeldError
 from modeld.gen import node_pb2 as pb
 from modeld.gen import node_pb2_grpc as pb_grpc
 from modeld.server.dataplane import DataPlane, ModelLoad
 from modeld.server.request_context import internal_message
-from modeld.server.services.status import begin_grpc_call
+from modeld.server.services import kv_events
+from modeld.server.services.status import STATUS_BY_KIND, begin_grpc_call
 
 log = structlog.get_logger("modeld.node")
 
@@ -29,6 +31,8 @@ DEFAULT_INTERVAL_S = 1.0
 MIN_INTERVAL_S = 0.05
 # How soon a watch notices the daemon started draining, whatever its interval.
 _DRAIN_POLL_S = 0.1
+KV_DEFAULT_INTERVAL_S = 0.1
+KV_MIN_INTERVAL_S = 0.02
 
 
 class NodeService(pb_grpc.NodeServicer):
@@ -59,6 +63,35 @@ class NodeService(pb_grpc.NodeServicer):
                 await self._sleep_unless_draining(interval_s)
         except Exception:  # a bug: say so and keep serving (cancellation is BaseException, not caught)
             log.exception("node_watch_bug")
+            await context.abort(grpc.StatusCode.INTERNAL, internal_message())
+
+    async def WatchKvEvents(self, request, context):
+        """A snapshot of the prefix caches now, then their changes each
+        interval (none sent while nothing changed); the stream ends (OK)
+        when the daemon drains: a draining node takes no new prompts."""
+        begin_grpc_call(context)
+        interval_s = KV_DEFAULT_INTERVAL_S if request.interval_ms == 0 else max(
+            request.interval_ms / 1000, KV_MIN_INTERVAL_S)
+        watch = kv_events.KvWatch()
+        try:
+            while not self.plane.is_draining:
+                message = watch.message(kv_events.cache_views(self.plane))
+                if message is not None:
+                    yield message
+                await self._sleep_unless_draining(interval_s)
+        except Exception:  # a bug: say so and keep serving
+            log.exception("node_kv_watch_bug")
+            await context.abort(grpc.StatusCode.INTERNAL, internal_message())
+
+    async def PromptBlocks(self, request, context):
+        """The block hashes a gateway looks up for a prompt (kv_events.prompt_blocks)."""
+        begin_grpc_call(context)
+        try:
+            return kv_events.prompt_blocks(self.plane, request)
+        except ModeldError as exc:
+            await context.abort(STATUS_BY_KIND[exc.kind], str(exc))
+        except Exception:  # a bug: say so and keep serving
+            log.exception("node_prompt_blocks_bug")
             await context.abort(grpc.StatusCode.INTERNAL, internal_message())
 
     async def _sleep_unless_draining(self, interval_s: float) -> None:
