@@ -49,7 +49,7 @@ class ModelLoad(_message.Message):
     def __init__(self, name: _Optional[str] = ..., backend: _Optional[str] = ..., state: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_cells_used: _Optional[int] = ..., kv_cells_capacity: _Optional[int] = ..., p99_latency_s: _Optional[float] = ..., p95_latency_s: _Optional[float] = ..., request_count: _Optional[int] = ..., failure_count: _Optional[int] = ..., pull_bytes_done: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ...) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("node_id", "models", "memory_used_bytes", "memory_budget_bytes", "in_flight", "queue_depth", "kv_cells_used", "kv_cells_capacity", "uptime_s", "gpu_memory_used_bytes", "gpu_memory_total_bytes", "draining", "unhealthy_backends", "daemon_memory_bytes")
+    __slots__ = ("node_id", "models", "memory_used_bytes", "memory_budget_bytes", "in_flight", "queue_depth", "kv_cells_used", "kv_cells_capacity", "uptime_s", "gpu_memory_used_bytes", "gpu_memory_total_bytes", "draining", "unhealthy_backends", "daemon_memory_bytes", "http_port")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class NodeStats(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     UNHEALTHY_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     DAEMON_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     models: _containers.RepeatedCompositeFieldContainer[ModelLoad]
     memory_used_bytes: int
@@ -78,7 +79,8 @@ class NodeStats(_message.Message):
     draining: bool
     unhealthy_backends: _containers.RepeatedCompositeFieldContainer[UnhealthyBackend]
     daemon_memory_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelLoad, _Mapping]]] = ..., memory_used_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_cells_used: _Optional[int] = ..., kv_cells_capacity: _Optional[int] = ..., uptime_s: _Optional[float] = ..., gpu_memory_used_bytes: _Optional[int] = ..., gpu_memory_total_bytes: _Optional[int] = ..., draining: _Optional[bool] = ..., unhealthy_backends: _Optional[_Iterable[_Union[UnhealthyBackend, _Mapping]]] = ..., daemon_memory_bytes: _Optional[int] = ...) -> None: ...
+    http_port: int
+    def __init__(self, node_id: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelLoad, _Mapping]]] = ..., memory_used_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_cells_used: _Optional[int] = ..., kv_cells_capacity: _Optional[int] = ..., uptime_s: _Optional[float] = ..., gpu_memory_used_bytes: _Optional[int] = ..., gpu_memory_total_bytes: _Optional[int] = ..., draining: _Optional[bool] = ..., unhealthy_backends: _Optional[_Iterable[_Union[UnhealthyBackend, _Mapping]]] = ..., daemon_memory_bytes: _Optional[int] = ..., http_port: _Optional[int] = ...) -> None: ...
 
 class UnhealthyBackend(_message.Message):
     __slots__ = ("name", "reason", "retry_in_s")

@@ -39,6 +39,7 @@ class NodeService(pb_grpc.NodeServicer):
     def __init__(self, plane: DataPlane) -> None:
         self.plane = plane
         self.node_id = socket.gethostname()
+        self.http_port = 0  # the daemon's bound HTTP port, set by the app once it listens (0: no HTTP)
         self._started = time.monotonic()
 
     async def Stats(self, request, context):
@@ -113,6 +114,7 @@ class NodeService(pb_grpc.NodeServicer):
             memory_used_bytes=memory.used_bytes,
             memory_budget_bytes=memory.budget_bytes,
             daemon_memory_bytes=memory.daemon_bytes,
+            http_port=self.http_port,
             in_flight=sum(m.in_flight for m in models),
             queue_depth=sum(m.queue_depth for m in models),
             kv_cells_used=sum(m.kv_cells_used for m in models),

@@ -38,7 +38,7 @@ def kv_fleet(tmp_path_factory):
     toml.write_text('isolation = "in-process"\n' + toml.read_text())
     with ThreadPoolExecutor(3) as pool:
         daemons = list(pool.map(lambda _: start_daemon("--no-preload", repository=repo), range(3)))
-    gateway = start_gateway(*(d.address for d in daemons))
+    gateway = start_gateway(*(d.address for d in daemons), args=("--http-port", "-1"))
     state = {"daemons": daemons, "gateway": gateway, "repo": repo}
     client = tc.InferenceServerClient(f"127.0.0.1:{gateway.port}")
     wait_until(lambda: metric_sum(gateway, "modeld_gateway_node_serving") == 3, 30, "every node serving")
