@@ -36,6 +36,9 @@ from modeld.gen import node_pb2 as pb
 # one message never holds more hashes than this; a snapshot past it is cut
 # (a gateway then misses some blocks: a lost cache hit, never a wrong answer)
 MAX_HASHES_PER_MESSAGE = 400_000
+# a difference with more changes than the caches hold blocks (and at least
+# this many) is sent as the snapshot it costs less than
+MIN_SNAPSHOT_CHANGES = 64
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,7 @@ class KvWatch:
         for name in self._sent.keys() - views.keys():
             models.append(pb.ModelKvEvents(model=name, cleared=True, cache=self._sent[name].cache,
                                            block_size=self._sent[name].block_size))
-        if changes > max(MAX_HASHES_PER_MESSAGE // 2, sum(len(v.hashes) for v in views.values())):
+        if changes > max(MIN_SNAPSHOT_CHANGES, sum(len(v.hashes) for v in views.values())):
             return self._snapshot(views)
         if not models:
             return None
