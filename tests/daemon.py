@@ -160,8 +160,10 @@ def _wait_preloaded(daemon: DaemonProcess, repository: Path | None, deadline: fl
 def start_gateway(*nodes: str, args: tuple[str, ...] = (), env: dict | None = None,
                   timeout: float = 60) -> DaemonProcess:
     """A `modeld gateway` subprocess on a free loopback port in front of `nodes`."""
+    # every port free and chosen by the system, HTTP's too (its default is 8000): gateways
+    # started side by side must not collide; a later --http-port in args wins
     cmd = [sys.executable, "-m", "modeld.server.cli", "gateway", "--grpc-port", "0", "--metrics-port", "0",
-           "--log-format", "json"]
+           "--http-port", "0", "--log-format", "json"]
     for node in nodes:
         cmd += ["--node", node]
     proc = _spawn(cmd + list(args), env)
