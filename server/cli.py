@@ -223,7 +223,9 @@ def _run_until_signalled(load_settings, config_error: type[Exception], server) -
         return 2
     configure_logging(settings.log_level, settings.log_format)
     print(f"modeld: {settings.describe()}", file=sys.stderr, flush=True)
-    asyncio.run(server(settings).run_until_signalled())
+    from modeld.server.event_loop import run
+
+    run(server(settings).run_until_signalled())  # uvloop where installed
     return 0
 
 
