@@ -203,22 +203,36 @@ def model_of(fields: Fields) -> str:
     return model
 
 
+def chat_turns(fields: Fields) -> list[tuple[str, str]] | None:
+    """A chat's (role, text) turns, for the prefix index and the nodes' KV
+    block lookup; None for a body that is not a readable chat."""
+    messages = fields.values.get("messages")
+    if not isinstance(messages, list):
+        return None
+    turns = []
+    for message in messages:
+        if not isinstance(message, dict):
+            return None
+        role, content = message.get("role", ""), message.get("content")
+        if isinstance(content, list):  # content parts: their text, in order
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict)
+                              and isinstance(p.get("text", ""), str))
+        turns.append((role if isinstance(role, str) else "", content if isinstance(content, str) else ""))
+    return turns
+
+
+def prompt_text(fields: Fields) -> str | None:
+    prompt = fields.values.get("prompt")
+    return prompt if isinstance(prompt, str) else None
+
+
 def prompt_key(fields: Fields) -> str:
     """The prompt as the prefix index keys it (the gRPC front's shape:
     chat turns separated by control characters no message text holds)."""
-    messages = fields.values.get("messages")
-    if isinstance(messages, list):
-        parts = []
-        for message in messages:
-            if not isinstance(message, dict):
-                return ""
-            content = message.get("content")
-            if isinstance(content, list):  # content parts: their text, in order
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            parts.append(f"{message.get('role', '')}\x1f{content if isinstance(content, str) else ''}\x1e")
-        return "".join(parts)
-    prompt = fields.values.get("prompt")
-    return prompt if isinstance(prompt, str) else ""
+    turns = chat_turns(fields)
+    if turns is not None:
+        return "".join(f"{role}\x1f{content}\x1e" for role, content in turns)
+    return prompt_text(fields) or ""
 
 
 def with_model(body: bytes, num_keys: int, model: str) -> bytes:

@@ -108,6 +108,7 @@ class Stream:
     response: httpx.Response
     chunks: object
     first: bytes
+    route: object = None  # the Route, finished when the stream ends (its KV blocks stop counting as active)
 
 
 def _response_headers(response: httpx.Response) -> list:
@@ -230,17 +231,25 @@ class Forwarder:
             self.metrics.hedges_won.labels(call.model).inc()
         return answer
 
-    async def stream(self, call: Call) -> Answer | Stream:
+    async def stream(self, call: Call, kv=None) -> Answer | Stream:
         """A generation: its answer or its begun stream, on the node routing
-        picks, once more elsewhere when it failed before its first byte."""
-        route = self.router.route(call.router_method, call.model, call.opts, call.key)
+        picks (by `kv`, the prompt's KV blocks, when known), once more
+        elsewhere when it failed before its first byte."""
+        route = self.router.route(call.router_method, call.model, call.opts, call.key, kv)
+        result = None
         try:
             try:
-                return await self.open_stream(route.node, call)
+                result = await self.open_stream(route.node, call)
             except CallFailed as exc:
-                return await self.open_stream(route.retry(exc), call)
+                result = await self.open_stream(route.retry(exc), call)
         except NodeAnswered as exc:
-            return exc.answer
+            result = exc.answer
+        finally:
+            if isinstance(result, Stream):
+                result.route = route
+            else:
+                route.finish()
+        return result
 
     async def relay(self, stream: Stream, send) -> None:
         """The stream's bytes to the client as they come, cut only at event
@@ -272,6 +281,8 @@ class Forwarder:
             tail = b""
         finally:
             await response.aclose()
+            if stream.route is not None:
+                stream.route.finish()
         await to_client(send, {"type": "http.response.body", "body": tail})
 
     # -- fan-outs ----------------------------------------------------------------

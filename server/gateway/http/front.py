@@ -27,7 +27,8 @@ from starlette.routing import Route, Router
 from modeld.server import tenants
 from modeld.server.gateway.failure import CallFailed
 from modeld.server.gateway.http.body import (
-    BodyError, BodyTooLarge, ClientGone, Fields, inflate, model_of, prompt_key, read_body, routing_fields, with_model,
+    BodyError, BodyTooLarge, ClientGone, Fields, chat_turns, inflate, model_of, prompt_key, prompt_text, read_body,
+    routing_fields, with_model,
 )
 from modeld.server.gateway.http.forward import (
     STATUS_BY_CODE, Answer, Call, ClientLeft, Forwarder, Stream, code_of, to_client,
@@ -152,7 +153,7 @@ class HttpFront:
         e = _Endpoint
         model = "/v2/models/{name}"
         versioned = "/v2/models/{name}/versions/{version}"
-        infer = e(self, "ModelInfer", self._by_path(hedgeable=True, split=True))
+        infer = e(self, "ModelInfer", self._by_path(hedgeable=True, split=True), True)
         stats = e(self, "ModelStatistics", self._by_path())
         ready = e(self, "ModelReady", self._model_ready)
         metadata = e(self, "ModelMetadata", self._by_path())
@@ -302,7 +303,11 @@ class HttpFront:
         model = model_of(fields)
         body, model = self._retargeted(body, fields, opts, model)
         call = Call(self._name(scope), "POST", _target(scope), body, opts, model, prompt_key(fields))
-        return await self.forwarder.stream(call)
+        # the prompt's KV blocks as the nodes hash them, where some node publishes the model's cache
+        turns = chat_turns(fields)
+        kv = await self.router.kv_blocks_for(model, messages=turns) if turns is not None else \
+            await self.router.kv_blocks_for(model, prompt=prompt_text(fields)) if prompt_text(fields) else None
+        return await self.forwarder.stream(call, kv)
 
     def _by_body(self, hedgeable: bool = False):
         async def handler(scope, body: bytes, opts: HttpCallOptions) -> Answer:
