@@ -40,6 +40,7 @@ class ModelFormat(Enum):
     SAFETENSORS = "safetensors"  # Hugging Face weights plus config.json
     REMOTE = "remote"  # served by an engine server ([remote]); no local file
     COREML = "coreml"  # .mlpackage / .mlmodel, or a torch.export .pt2 the coreml backend converts
+    LORA = "lora"  # a PEFT LoRA adapter (adapter_config.json + safetensors) over the model named by `base`
 
 
 class Isolation(StrEnum):
@@ -82,7 +83,7 @@ class ModelKind(Enum):
 # REMOTE has no file: its artifact path stays "" and no local backend serves it
 DEFAULT_ARTIFACTS = {ModelFormat.ONNX: "model.onnx", ModelFormat.GGUF: "model.gguf",
                      ModelFormat.SAFETENSORS: "model.safetensors", ModelFormat.REMOTE: "",
-                     ModelFormat.COREML: "model.mlpackage"}
+                     ModelFormat.COREML: "model.mlpackage", ModelFormat.LORA: "adapter_model.safetensors"}
 
 # A remote model's local fallback artifact: its format follows from its name.
 _FORMAT_BY_SUFFIX = {".gguf": ModelFormat.GGUF, ".onnx": ModelFormat.ONNX, ".safetensors": ModelFormat.SAFETENSORS}
@@ -120,6 +121,20 @@ class RerankSpec:
 # answer's order (server/rerank.py).
 RERANK_QUERY, RERANK_DOCUMENTS = "query", "documents"
 RERANK_SCORES, RERANK_INDICES = "scores", "indices"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """`[lora]` of a base model: what its LoRA adapters may be (vLLM's
+    --max-lora-rank, SGLang's --max-loaded-loras / --max-loras-per-batch)."""
+
+    max_lora_rank: int = 64  # the highest rank an adapter of this base may have
+    max_loaded_loras: int = 8  # adapters of this base resident at once; loading one more evicts the LRU idle one
+    max_loras_per_batch: int = 4  # distinct adapters mixed in one engine step; sequences of others wait
+
+
+_LORA_KEYS = ("max_lora_rank", "max_loaded_loras", "max_loras_per_batch")
+MAX_LORA_RANK = 512  # no setting may raise the rank past this: an adapter's memory grows with it
 
 
 @dataclass(frozen=True)
@@ -167,6 +182,13 @@ class ModelConfig:
     chat_template: str = ""
     tool_parser: ToolParser = ToolParser.HERMES
     reasoning_parser: ReasoningParser | None = None
+    # `format = "lora"`: the repository model this adapter applies to
+    base: str = ""
+    lora: LoraSettings = LoraSettings()  # a base model's limits on its adapters
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.format is ModelFormat.LORA
 
     @property
     def artifact_path(self) -> str:
@@ -208,7 +230,7 @@ def config_from_json(name: str, text: str) -> ModelConfig:
 _KNOWN_KEYS = {
     "format", "backends", "artifact", "batching", "memory_estimate", "warmup",
     "pinned", "lazy_load", "inputs", "outputs", "text", "name", "kind", "rerank", "limits", "isolation", "source", "served_names",
-    "embedding", "chat_template", "tool_parser", "reasoning_parser", *OPTIONS_BY_BACKEND,
+    "embedding", "chat_template", "tool_parser", "reasoning_parser", "base", "lora", *OPTIONS_BY_BACKEND,
 }
 
 
@@ -229,6 +251,7 @@ def config_from_dict(name: str, raw: dict[str, Any]) -> ModelConfig:
     _check_remote(name, declared, "remote" in raw, backend_options)
     kind = reader.enum("kind", ModelKind, ModelKind.TENSOR)
     rerank = _rerank_spec(name, kind, raw, declared)
+    base = _adapter_base(reader, declared)
     return ModelConfig(
         name=name,
         format=_fallback_format(name, artifact) if declared is ModelFormat.REMOTE else declared,
@@ -258,7 +281,41 @@ def config_from_dict(name: str, raw: dict[str, Any]) -> ModelConfig:
         tool_parser=reader.enum("tool_parser", ToolParser, ToolParser.HERMES),
         reasoning_parser=(reader.enum("reasoning_parser", ReasoningParser, ReasoningParser.THINK)
                           if "reasoning_parser" in raw else None),
+        base=base,
+        lora=_lora_settings(name, reader.table("lora")),
     )
+
+
+def _adapter_base(reader: _Reader, declared: ModelFormat) -> str:
+    """A LoRA adapter's `base`: another model's name. An adapter runs on its
+    base's backend, so it names no backends of its own."""
+    base = reader.str("base", "")
+    if declared is not ModelFormat.LORA:
+        if base:
+            raise InvalidArgument(f"model {reader.model!r}: config key base belongs to format = \"lora\" (an adapter), "
+                                  f"not format = {declared.value!r}")
+        return ""
+    if not base:
+        raise InvalidArgument(f"model {reader.model!r}: format = \"lora\" needs base = \"<model>\", the repository "
+                              "model the adapter applies to")
+    if not MODEL_NAME_RE.fullmatch(base) or ".." in base or base == reader.model:
+        raise InvalidArgument(f"model {reader.model!r}: config key base must name another model, got {base[:80]!r}")
+    for key in ("backends", "lora", "source", *OPTIONS_BY_BACKEND):
+        if key in reader.raw:
+            raise InvalidArgument(f"model {reader.model!r}: a LoRA adapter runs on its base's backend with the base's "
+                                  f"settings; remove {key!r}")
+    return base
+
+
+def _lora_settings(model: str, table: dict[str, Any]) -> LoraSettings:
+    unknown = sorted(set(table) - set(_LORA_KEYS))
+    if unknown:
+        raise InvalidArgument(f"model {model!r}: unknown key lora.{unknown[0]}; known keys are {list(_LORA_KEYS)}")
+    reader, default = _Reader(model, table, "lora."), LoraSettings()
+    settings = LoraSettings(*(reader.int(key, getattr(default, key), minimum=1) for key in _LORA_KEYS))
+    if settings.max_lora_rank > MAX_LORA_RANK:
+        raise reader._fail("max_lora_rank", f"at most {MAX_LORA_RANK}")
+    return settings
 
 
 MAX_SERVED_NAMES = 16

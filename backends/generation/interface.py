@@ -63,6 +63,7 @@ class PagedWork(NamedTuple):
     num_logits: int
     num_drafts: int
     block_table: tuple[int, ...]
+    adapter: int = 0  # the LoRA adapter the sequence runs under (0: the base model alone)
 
 
 W = TypeVar("W", bound=SeqWork)

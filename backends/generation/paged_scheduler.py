@@ -8,10 +8,17 @@ is preempted by recompute: its blocks are released (hashed ones stay
 cached) and it waits to be prefilled again. Each plan item carries the
 sequence's block table, so the executor never reads the BlockManager. No
 torch, no numpy.
+
+LoRA adapters: each sequence runs under an adapter id (0: the base), carried
+in its plan items; at most max_loras_per_batch distinct adapters run at
+once, and a waiting sequence of another adapter waits until one of them
+has no sequence left. A prompt computed under one adapter has other KV than
+under another, so the prefix cache never shares blocks across adapters.
 """
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -30,10 +37,17 @@ class PagedConfig:
     max_step_tokens: int = 512
     max_waiting: int = 256
     admission: Admission | None = None  # None: continuous
+    max_loras_per_batch: int = 4  # distinct LoRA adapters running at once (the base is not one)
 
     @property
     def kv_capacity(self) -> int:
         return self.num_blocks * self.block_size
+
+
+# The adapter a sequence being added runs under (0: the base). An adapter
+# model sets it around its base loop's generate(), which calls add()
+# synchronously in the requester's own task: the value is that request's.
+REQUEST_ADAPTER: ContextVar[int] = ContextVar("modeld_request_adapter", default=0)
 
 
 class PagedScheduler(BaseScheduler):
@@ -42,6 +56,42 @@ class PagedScheduler(BaseScheduler):
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.min_shared_prefix = config.block_size  # the cache shares whole blocks
         self.num_preemptions = 0
+        self.adapter_of: dict[int, int] = {}  # seq id -> adapter id, for sequences not of the base
+
+    def add(self, seq: Sequence) -> None:
+        super().add(seq)
+        adapter = REQUEST_ADAPTER.get()
+        if adapter:
+            self.adapter_of[seq.seq_id] = adapter
+
+    def num_sequences_of(self, adapter: int) -> int:
+        """Sequences waiting or running under an adapter."""
+        return sum(1 for a in self.adapter_of.values() if a == adapter)
+
+    def _next_waiting(self) -> Sequence | None:
+        running = {self.adapter_of.get(s.seq_id, 0) for s in self.running} - {0}
+        full = len(running) >= self.config.max_loras_per_batch
+        for seq in self.waiting:
+            if seq.is_cancelled or self._waits_for_prefix(seq):
+                continue
+            adapter = self.adapter_of.get(seq.seq_id, 0)
+            if full and adapter and adapter not in running:
+                continue  # the step mixes max_loras_per_batch adapters already
+            return seq
+        return None
+
+    def _shares_cache(self, a: Sequence, b: Sequence) -> bool:
+        return (self._caches(a) and self._caches(b)
+                and self.adapter_of.get(a.seq_id, 0) == self.adapter_of.get(b.seq_id, 0))
+
+    def _caches(self, seq: Sequence) -> bool:
+        """Whether seq reads and feeds the prefix cache: the base's sequences
+        only, until block hashes carry the adapter (then each adapter's own)."""
+        return seq.params.cache_prompt and seq.seq_id not in self.adapter_of
+
+    def _finish(self, seq: Sequence, reason) -> None:
+        super()._finish(seq, reason)
+        self.adapter_of.pop(seq.seq_id, None)
 
     @property
     def num_used_cells(self) -> int:
@@ -87,7 +137,7 @@ class PagedScheduler(BaseScheduler):
 
     def _work(self, seq: Sequence, tokens: list[int], num_logits: int, num_drafts: int) -> PagedWork:
         return PagedWork(seq.seq_id, seq.num_computed, tuple(tokens), num_logits, num_drafts,
-                         tuple(self.blocks.tables[seq.seq_id]))
+                         tuple(self.blocks.tables[seq.seq_id]), self.adapter_of.get(seq.seq_id, 0))
 
     def _chunk(self, seq: Sequence, budget: int) -> PagedWork | None:
         remaining = seq.token_ids[seq.num_computed:]
@@ -97,7 +147,7 @@ class PagedScheduler(BaseScheduler):
         return self._work(seq, chunk, 1 if len(chunk) == len(remaining) else 0, 0)
 
     def _admit(self, seq: Sequence, budget: int) -> PagedWork | None:
-        if seq.params.cache_prompt:
+        if self._caches(seq):
             cached = self.blocks.match_prefix(seq.seq_id, seq.token_ids)
         else:
             cached = 0
@@ -133,7 +183,7 @@ class PagedScheduler(BaseScheduler):
         self.num_preemptions += 1
 
     def _computed(self, seq: Sequence) -> None:
-        if seq.params.cache_prompt:
+        if self._caches(seq):
             self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
 
     def _trim(self, seq: Sequence, pos: int) -> None:

@@ -142,12 +142,18 @@ class BaseScheduler(ABC):
         for other in self.running:
             if other.is_cancelled or not other.params.cache_prompt or not other.is_prefilling:
                 continue
+            if not self._shares_cache(seq, other):
+                continue
             if other.prompt_ids[0] != seq.prompt_ids[0]:
                 continue
             shared = min(common_prefix(other.prompt_ids, seq.prompt_ids), seq.num_prompt - 1)
             if shared >= self.min_shared_prefix and other.num_computed < shared:
                 return True
         return False
+
+    def _shares_cache(self, a: Sequence, b: Sequence) -> bool:
+        """Whether a and b may share cached KV (not under different LoRA adapters)."""
+        return True
 
     def _start(self, seq: Sequence) -> None:
         self.waiting.remove(seq)

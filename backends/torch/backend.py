@@ -9,6 +9,7 @@ the same code.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import time
 from pathlib import Path
 
@@ -18,11 +19,11 @@ import structlog
 from modeld.backends.artifact_paths import check_tokenizer_config
 from modeld.backends.base import Backend, Capability, GenerativeModel, Verdict
 from modeld.backends.compute_thread import COMPUTE_THREAD
-from modeld.backends.errors import LoadFailed
+from modeld.backends.errors import LoadFailed, Unavailable
 from modeld.backends.generation.executor import StepExecutor
 from modeld.backends.generation.interface import PagedWork, StepPlan
 from modeld.backends.generation.loop import GenerationLoop
-from modeld.backends.generation.paged_scheduler import PagedConfig, PagedScheduler
+from modeld.backends.generation.paged_scheduler import REQUEST_ADAPTER, PagedConfig, PagedScheduler
 from modeld.backends.generation.scheduler import admission_from
 from modeld.backends.generation.chat_template import ChatTemplate, model_chat_template, render_chat
 from modeld.backends.generation.params import ChatMessage, ToolSpec
@@ -39,6 +40,7 @@ class TorchBackend(Backend):
     capabilities = frozenset({
         Capability.GENERATION, Capability.STREAMING, Capability.CONTINUOUS_BATCHING,
         Capability.PREFIX_CACHE, Capability.SPECULATIVE_DECODING, Capability.LOGPROBS,
+        Capability.CONSTRAINED_DECODING,
     })
 
     def availability(self) -> Verdict:
@@ -110,12 +112,16 @@ class TorchExecutor(StepExecutor):
         self.kv_bytes = tensor_bytes(self.k_caches + self.v_caches)
         self.chat_template: ChatTemplate | None = None
         self._pieces: dict[int, bytes] = {}
+        self.adapters = None  # the LoRA adapters resident on this base (lora.AdapterSet), made with the first
 
     def run(self, plan: StepPlan[PagedWork]) -> np.ndarray:
         from modeld.backends.torch.step import build_step
 
         batch = build_step(plan, self.block_size, self.device)
-        logits = self.model(batch, self.k_caches, self.v_caches)
+        lora = None
+        if self.adapters is not None:
+            lora = self.adapters.for_step([w.adapter for w in plan.work], [len(w.token_ids) for w in plan.work])
+        logits = self.model(batch, self.k_caches, self.v_caches, lora)
         return logits.cpu().numpy()
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -254,7 +260,10 @@ class TorchGenerativeModel(GenerativeModel):
             context_length=min(context_length, args.max_seq_len),
             max_running=options.max_running, max_step_tokens=options.max_step_tokens,
             max_waiting=options.max_waiting, admission=admission_from(options),
+            max_loras_per_batch=config.lora.max_loras_per_batch,
         ))
+        self.lora = config.lora
+        self.dtype = dtype
         self.runner = TorchExecutor(self.model, self.tokenizer, self.scheduler.config.num_blocks, block_size, device)
         self.runner.chat_template = template
         if options.compile:
@@ -278,6 +287,28 @@ class TorchGenerativeModel(GenerativeModel):
         self.loop = GenerationLoop(runner=self.runner, scheduler=self.scheduler, draft=self.draft,
                                    worker=COMPUTE_THREAD)
 
+    def load_adapter(self, config: ModelConfig, model_dir: Path) -> TorchAdapterModel:
+        """Read a PEFT adapter of this base and make it resident: its matrices
+        only, the base's weights stay shared. Raises InvalidArgument naming
+        the adapter, the field and the reason."""
+        from modeld.backends.torch.lora import AdapterSet, load_adapter
+
+        weights = load_adapter(config.name, model_dir, config.artifact_path, self.model.args,
+                               self.lora.max_lora_rank, next(_ADAPTER_IDS), self.dtype, self.device)
+
+        def register() -> None:  # on the compute thread, between steps
+            if self.runner.adapters is None:
+                self.runner.adapters = AdapterSet(self.model.args, self.dtype, self.device)
+            self.runner.adapters.add(weights)
+        COMPUTE_THREAD.submit(register).result()
+        return TorchAdapterModel(self, weights)
+
+    def unload_adapter(self, adapter_id: int) -> None:
+        def remove() -> None:
+            if self.runner.adapters is not None:
+                self.runner.adapters.remove(adapter_id)
+        COMPUTE_THREAD.submit(remove).result()
+
     def unload(self) -> None:
         COMPUTE_THREAD.submit(self._release).result()
 
@@ -288,3 +319,62 @@ class TorchGenerativeModel(GenerativeModel):
         self.runner.v_caches.clear()
         self.model = None
         self.runner.model = None
+
+
+# adapter ids are never reused: a sequence, a cached stack or (once block
+# hashes carry it) a cached prompt of an unloaded adapter is never another's
+_ADAPTER_IDS = itertools.count(1)
+
+
+class TorchAdapterModel(GenerativeModel):
+    """A LoRA adapter served as a model of its own: requests naming it run on
+    its base's generation loop, in the same steps as the base's and other
+    adapters' sequences, with the adapter's low-rank products on top."""
+
+    def __init__(self, base: TorchGenerativeModel, weights) -> None:
+        self.base = base
+        self.adapter_id = weights.adapter_id
+        self.rank = weights.rank
+        self.nbytes = weights.nbytes
+        self.inputs, self.outputs = TEXT_SIGNATURE
+        self.loop = base.loop
+        self.runner = base.runner
+        self.num_in_flight = 0
+        self._stopping = False
+
+    def set_observer(self, observer) -> None:
+        """The base's loop reports the steps, adapters' sequences included."""
+
+    async def start(self) -> None:
+        self._stopping = False
+
+    async def stop(self) -> None:
+        """Take no new requests and wait for this adapter's to finish."""
+        import asyncio
+
+        self._stopping = True
+        while self.num_in_flight:
+            await asyncio.sleep(0.01)
+
+    async def generate(self, request):
+        if self._stopping:
+            raise Unavailable("the adapter is being unloaded; retry")
+        self.num_in_flight += 1
+        events = self.base.loop.generate(request)
+        try:
+            # the base's scheduler reads the adapter in add(), inside this first step of the stream
+            token = REQUEST_ADAPTER.set(self.adapter_id)
+            try:
+                first = await events.__anext__()
+            finally:
+                REQUEST_ADAPTER.reset(token)
+            yield first
+            async for event in events:
+                yield event
+        finally:
+            self.num_in_flight -= 1
+            await events.aclose()
+
+    def unload(self) -> None:
+        if self.base.model is not None:
+            self.base.unload_adapter(self.adapter_id)

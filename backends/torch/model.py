@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modeld.backends.torch.lora import LayerLora, down_delta, gate_up_delta, out_delta, qkv_delta
 from modeld.backends.torch.weights import ModelArgs
 
 
@@ -107,11 +108,15 @@ class Attention(nn.Module):
         self.bqkv = nn.Parameter(torch.zeros(self.q_width + 2 * self.kv_width)) if bias else None
         self.wo = nn.Parameter(torch.empty(args.dim, self.q_width))
 
-    def forward(self, x, cos, sin, batch: StepBatch, k_cache: torch.Tensor, v_cache: torch.Tensor, project):
+    def forward(self, x, cos, sin, batch: StepBatch, k_cache: torch.Tensor, v_cache: torch.Tensor, project,
+                lora: LayerLora | None = None):
         tokens = x.shape[0]
         qkv = project(x, self.wqkv)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
+        delta = qkv_delta(lora, x, project) if lora is not None else None
+        if delta is not None:
+            qkv = qkv + delta
         # rotate q and k together: they are adjacent columns of qkv
         qk = qkv[:, :self.q_width + self.kv_width].reshape(tokens, self.n_heads + self.n_kv_heads, self.head_dim)
         qk = apply_rotary(qk, cos, sin)
@@ -136,7 +141,9 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(num_seqs * max_q, self.q_width)  # [S * Q, dim]
         if batch.query_rows is not None:
             out = out.index_select(0, batch.query_rows)  # [T, dim], in token order
-        return project(out, self.wo)
+        result = project(out, self.wo)
+        delta = out_delta(lora, out, project) if lora is not None else None
+        return result if delta is None else result + delta
 
 
 class FeedForward(nn.Module):
@@ -146,9 +153,15 @@ class FeedForward(nn.Module):
         self.w13 = nn.Parameter(torch.empty(2 * args.hidden_dim, args.dim))  # gate rows, then up rows
         self.w2 = nn.Parameter(torch.empty(args.dim, args.hidden_dim))  # down
 
-    def forward(self, x: torch.Tensor, project) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, project, lora: LayerLora | None = None) -> torch.Tensor:
         gate_up = project(x, self.w13)
-        return project(F.silu(gate_up[:, :self.hidden]) * gate_up[:, self.hidden:], self.w2)
+        delta = gate_up_delta(lora, x, project) if lora is not None else None
+        if delta is not None:
+            gate_up = gate_up + delta
+        hidden = F.silu(gate_up[:, :self.hidden]) * gate_up[:, self.hidden:]
+        out = project(hidden, self.w2)
+        delta = down_delta(lora, hidden, project) if lora is not None else None
+        return out if delta is None else out + delta
 
 
 class Layer(nn.Module):
@@ -159,17 +172,18 @@ class Layer(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, cos, sin, batch, k_cache, v_cache, project):
-        x = x + self.attention(self.attention_norm(x), cos, sin, batch, k_cache, v_cache, project)
-        return x + self.feed_forward(self.ffn_norm(x), project)
+    def forward(self, x, cos, sin, batch, k_cache, v_cache, project, lora: LayerLora | None = None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, batch, k_cache, v_cache, project, lora)
+        return x + self.feed_forward(self.ffn_norm(x), project, lora)
 
 
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def run_layer(layer: Layer, x, cos, sin, batch: StepBatch, k_cache, v_cache, project) -> torch.Tensor:
-    return layer(x, cos, sin, batch, k_cache, v_cache, project)
+def run_layer(layer: Layer, x, cos, sin, batch: StepBatch, k_cache, v_cache, project,
+              lora: LayerLora | None = None) -> torch.Tensor:
+    return layer(x, cos, sin, batch, k_cache, v_cache, project, lora)
 
 
 class Transformer(nn.Module):
@@ -251,19 +265,23 @@ class Transformer(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output
 
-    def forward(self, batch: StepBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
-        """-> logits [len(batch.logit_rows), vocab] float32."""
+    def forward(self, batch: StepBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                lora: list[LayerLora] | None = None) -> torch.Tensor:
+        """-> logits [len(batch.logit_rows), vocab] float32. lora: per layer,
+        the step's adapter stacks (lora.py); None runs the base alone."""
         # compiled graphs refuse inference tensors; eager runs a little faster under inference_mode
         with torch.no_grad() if self.compiled else torch.inference_mode():
-            return self._forward(batch, k_caches, v_caches)
+            return self._forward(batch, k_caches, v_caches, lora)
 
-    def _forward(self, batch: StepBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
+    def _forward(self, batch: StepBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                 lora: list[LayerLora] | None) -> torch.Tensor:
         x = self.tok_embeddings(batch.input_ids)  # [T, dim]
         # MKL's bf16 products run a row at a time here; only fp32 gains from the reshaped product
         project = cpu_project if x.device.type == "cpu" and x.dtype == torch.float32 else F.linear
         cos = self.rope_cos.index_select(0, batch.positions).to(x.dtype)
         sin = self.rope_sin.index_select(0, batch.positions).to(x.dtype)
-        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
-            x = self.run_layer(layer, x, cos, sin, batch, k_cache, v_cache, project)
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, k_caches, v_caches)):
+            x = self.run_layer(layer, x, cos, sin, batch, k_cache, v_cache, project,
+                               None if lora is None else lora[i])
         # only the rows that need logits go through the vocabulary projection
         return project(self.norm(x[batch.logit_rows]), self.output_weight()).float()
