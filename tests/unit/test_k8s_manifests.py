@@ -243,11 +243,17 @@ def test_daemon_startup_probe_allows_for_a_slow_start(statefulset):
     assert probe.periodSeconds * probe.failureThreshold >= MIN_STARTUP_S
 
 
+def env_value(c, name: str, default=None):
+    return next((e.value for e in c.env or [] if e.name == name), default)
+
+
 def test_termination_grace_outlasts_the_drain(resources):
-    # the daemon's drain; the gateway's stop waits out the same 10 s for calls in flight
-    drain_s = Settings().drain_delay_s + Settings().shutdown_grace_s
+    # the daemon's drain (its MODELD_* settings where the container sets them);
+    # the gateway's stop waits out the same grace for calls in flight
     for workload in workloads(resources):
         c = container(workload)
+        drain_s = (float(env_value(c, "MODELD_DRAIN_DELAY_S", Settings().drain_delay_s))
+                   + float(env_value(c, "MODELD_SHUTDOWN_GRACE_S", Settings().shutdown_grace_s)))
         pre_stop = c.lifecycle.preStop.exec.command if c.lifecycle and c.lifecycle.preStop else None
         pre_stop_s = int(pre_stop[-1]) if pre_stop and pre_stop[0] == "sleep" else 0
         assert workload.spec.template.spec.terminationGracePeriodSeconds > drain_s + pre_stop_s, \
@@ -631,3 +637,42 @@ def test_image_default_command_starts_locked():
     parsed = build_parser().parse_args(json.loads(cmd))
     assert parsed.host == "0.0.0.0" and not parsed.insecure
     assert parsed.tls_cert and parsed.tls_key and parsed.auth_token_file
+
+
+# -- autoscaling and the store cache (issues 28 and 31) ------------------------------
+
+def test_the_autoscaler_scales_the_daemons_on_metrics_the_adapter_serves(resources, statefulset):
+    (hpa,) = of_kind(resources, "HorizontalPodAutoscaler")
+    target = hpa.spec.scaleTargetRef
+    assert (target.kind, target.name) == ("StatefulSet", statefulset.metadata.name)
+    (rules_map,) = [c for c in of_kind(resources, "ConfigMap") if "prometheus-adapter" in c.metadata.name]
+    rules = yaml.safe_load(rules_map.data["config.yaml"])["rules"]
+    served = {rule["name"]["as"]: rule for rule in rules}
+    wanted = {m.pods.metric.name for m in hpa.spec.metrics if m.type == "Pods"}
+    assert wanted == {"modeld_queue_depth", "modeld_kv_usage_ratio"} and wanted <= served.keys()
+    # every series a rule reads is one the daemon exports
+    exported = set(re.findall(r'"(modeld_\w+)"', (ROOT / "server" / "metrics.py").read_text()))
+    for rule in served.values():
+        assert set(re.findall(r"modeld_\w+", rule["metricsQuery"])) <= exported, rule["metricsQuery"]
+
+
+def test_scale_in_drains_one_pod_at_a_time_and_keeps_every_model_a_home(resources, deployment):
+    (hpa,) = of_kind(resources, "HorizontalPodAutoscaler")
+    (budget,) = [b for b in of_kind(resources, "PodDisruptionBudget") if b.metadata.name == "modeld"]
+    replicas = build_parser().parse_args(container(deployment).args).replicas or 2
+    assert hpa.spec.minReplicas >= replicas + int(budget.spec.maxUnavailable)
+    (policy,) = hpa.spec.behavior.scaleDown.policies
+    statefulset = one(resources, "StatefulSet", hpa.spec.scaleTargetRef.name)
+    assert (policy.type, policy.value) == ("Pods", 1)
+    # the next pod leaves only after the last one's drain had all its time
+    assert policy.periodSeconds >= statefulset.spec.template.spec.terminationGracePeriodSeconds
+
+
+def test_daemons_keep_their_store_cache_on_a_volume_of_their_own(statefulset):
+    c = container(statefulset)
+    cache_dir = env_value(c, "MODELD_STORE_CACHE_DIR")
+    assert cache_dir and any(m.mountPath == cache_dir and not m.readOnly for m in c.volumeMounts)
+    (mount,) = [m for m in c.volumeMounts if m.mountPath == cache_dir]
+    (claim,) = [t for t in statefulset.spec.volumeClaimTemplates if t.metadata.name == mount.name]
+    budget = parse_size(env_value(c, "MODELD_STORE_CACHE_BUDGET"))
+    assert parse_quantity(claim.spec.resources.requests["storage"]) > budget  # room for partial downloads
