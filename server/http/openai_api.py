@@ -15,7 +15,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from modeld.backends.errors import NotFound
+from modeld.backends.errors import NotFound, Unimplemented
+from modeld.backends.generation.params import GenerateRequest
+from modeld.backends.model_config import ToolParser
 from modeld.server.dataplane import DataPlane
 from modeld.server.http.common import unless_client_leaves
 from modeld.server.http.openai_chat import answer_generation
@@ -23,7 +25,14 @@ from modeld.server.http.openai_embeddings import embeddings
 from modeld.server.http.openai_fields import (
     FieldError, check_fields, error_response, get_bool, model_name, takes_json_body,
 )
+from modeld.server.http.openai_sampling import chat_template_kwargs
+from modeld.server.http.openai_tools import chat_messages, tool_fields
 from modeld.server.requests import ModelState, ModelStatus
+
+
+# vLLM's chat form of /tokenize
+_CHAT_TOKENIZE_FIELDS = {"model", "messages", "tools", "add_generation_prompt", "chat_template_kwargs",
+                         "add_special_tokens", "prompt"}
 
 
 def routes(plane: DataPlane) -> list[BaseRoute]:
@@ -50,19 +59,47 @@ class OpenAIApi:
     @takes_json_body
     async def tokenize(self, request: Request, body: dict) -> Response:
         model = model_name(body)
-        check_fields(body, {"model", "prompt", "messages", "add_special_tokens"}, "/tokenize")
         if body.get("messages") is not None:
-            raise FieldError("messages", "/tokenize takes a prompt here, not messages (the chat template is applied "
-                                         "inside the model's worker); send the rendered text as prompt")
+            tokens = await self._chat_prompt_ids(model, body)
+        else:
+            tokens = await self._prompt_ids(model, body)
+        return JSONResponse({"tokens": tokens, "count": len(tokens),
+                             "max_model_len": self.plane.context_length(model)})
+
+    async def _prompt_ids(self, model: str, body: dict) -> list[int]:
+        check_fields(body, {"model", "prompt", "add_special_tokens"}, "/tokenize")
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
-            raise FieldError("prompt", "prompt must be a string")
+            raise FieldError("prompt", "prompt must be a string (or send messages)")
         if not get_bool(body, "add_special_tokens", True):
             raise FieldError("add_special_tokens", "add_special_tokens: false is not supported; the model's tokenizer "
                                                    "adds its special tokens (a BOS) as generation does")
-        tokens = await self.plane.tokenize(model, prompt) if prompt else []
-        return JSONResponse({"tokens": tokens, "count": len(tokens),
-                             "max_model_len": self.plane.context_length(model)})
+        return await self.plane.tokenize(model, prompt) if prompt else []
+
+    async def _chat_prompt_ids(self, model: str, body: dict) -> list[int]:
+        """vLLM's chat form: the ids the model's chat template makes of these
+        messages (and tools), exactly the prompt a chat completion runs on."""
+        check_fields(body, _CHAT_TOKENIZE_FIELDS, "/tokenize")
+        if body.get("prompt") is not None:
+            raise FieldError("prompt", "send prompt or messages, not both")
+        if get_bool(body, "add_special_tokens", False):
+            raise FieldError("add_special_tokens", "add_special_tokens: true is not supported with messages; the "
+                                                   "chat template writes the special tokens itself")
+        kwargs = dict(chat_template_kwargs(body))
+        if body.get("add_generation_prompt") is not None:
+            if "add_generation_prompt" in kwargs:
+                raise FieldError("add_generation_prompt", "add_generation_prompt is given here and in "
+                                                          "chat_template_kwargs; send it once")
+            kwargs["add_generation_prompt"] = get_bool(body, "add_generation_prompt", True)
+        tools = tool_fields({"tools": body.get("tools")}, ToolParser.HERMES).tools
+        generate = GenerateRequest(model, messages=chat_messages(body), tools=tools,
+                                   chat_template_kwargs=tuple(kwargs.items()))
+        generate.validate()
+        prompt_ids = getattr(self.plane, "prompt_ids", None)
+        if prompt_ids is None:
+            raise Unimplemented("/tokenize with messages is not served by this build (the data plane cannot render "
+                                "a chat without generating); send the rendered text as prompt")
+        return list(await prompt_ids(generate))
 
     @takes_json_body
     async def detokenize(self, request: Request, body: dict) -> Response:
@@ -104,6 +141,7 @@ class OpenAIApi:
             return error_response(exc, self.plane, name)
 
     def _describe(self, status: ModelStatus) -> dict:
+        base = getattr(status, "base", "")  # a LoRA adapter's base model: vLLM's `parent`
         return {"id": status.name, "object": "model", "created": self.started, "owned_by": "modeld",
                 "ready": status.state is ModelState.READY, "state": status.state.value,
-                **({"reason": status.reason} if status.reason else {})}
+                **({"parent": base} if base else {}), **({"reason": status.reason} if status.reason else {})}

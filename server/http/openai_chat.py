@@ -29,6 +29,14 @@ async def answer_generation(plane: DataPlane, http: Request, body: dict, chat: b
     return await _Generation(plane, http, body, chat).respond()
 
 
+def _backend_name(plane: DataPlane, model: str, body: dict) -> str:
+    """The serving backend, for refusals of what it cannot do (only looked up then)."""
+    if body.get("prompt_logprobs") is None and not body.get("echo"):
+        return ""
+    status = plane.find_status(model)
+    return status.backend if status is not None else ""
+
+
 def _error_event(exc: BaseException, plane: DataPlane, model: str) -> bytes:
     """A failure after the stream began: the status line went out already,
     so the error travels as an event (the openai SDK raises it)."""
@@ -154,7 +162,7 @@ class _Generation:
     def __init__(self, plane: DataPlane, http: Request, body: dict, chat: bool) -> None:
         self.plane, self.http, self.chat = plane, http, chat
         self.model = model_name(body)
-        fields = generation_fields(body, chat)
+        fields = generation_fields(body, chat, _backend_name(plane, self.model, body))
         self.stream, self.include_usage, self.with_logprobs = fields.stream, fields.include_usage, fields.with_logprobs
         self.n, self.best_of, self.echo = fields.n, fields.best_of, fields.echo
         self.prompt_text = fields.prompt
@@ -164,7 +172,8 @@ class _Generation:
         params = self._read_tools(plane, body, fields) if chat else fields.params
         self.request = GenerateRequest(self.model, prompt=fields.prompt, token_ids=fields.token_ids,
                                        messages=fields.messages, params=params, request_id=self.request_id,
-                                       priority=priority(body), tools=self.tools.tools)
+                                       priority=priority(body), tools=self.tools.tools,
+                                       chat_template_kwargs=fields.chat_template_kwargs)
         self.logprobs = _Logprobs(plane, self.model, fields.top_logprobs)
         self.id = ("chatcmpl-" if chat else "cmpl-") + self.request_id
         self.created = int(time.time())

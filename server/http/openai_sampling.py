@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from modeld.backends.errors import InvalidArgument
 from modeld.backends.generation.params import (
     MAX_CHOICES, MAX_N, ChatMessage, Constraint, ConstraintKind, SamplingParams, SpeculativeMode,
+    check_template_kwargs,
 )
 from modeld.server.http.common import json_type_name
 from modeld.server.http.openai_fields import (
@@ -35,7 +36,7 @@ _COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "to
            "logprobs", "frequency_penalty", "presence_penalty", "logit_bias", *_CONSTRAINT_FIELDS} \
     | IGNORED | _SAMPLING_EXTENSIONS
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                          "parallel_tool_calls"}
+                          "parallel_tool_calls", "chat_template_kwargs"}
 _COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix"}
 _STRUCTURED_KEYS = {"json": "a JSON schema (object or JSON text)", "regex": "a regular expression",
                     "choice": "an array of strings", "grammar": "a Lark or GBNF grammar",
@@ -59,25 +60,33 @@ class GenerationFields:
     best_of: int = 1  # sequences generated, the n with the highest cumulative logprob answered
     echo: bool = False  # completions: the prompt's text leads each choice's text
     constraint_field: str | None = None  # the field the constraint came from, for errors
+    chat_template_kwargs: tuple[tuple[str, object], ...] = ()  # chat: extra template variables
 
 
-def generation_fields(body: dict, chat: bool) -> GenerationFields:
+def generation_fields(body: dict, chat: bool, backend: str = "") -> GenerationFields:
+    """`backend` (the serving backend's name, where known) is named in the
+    refusal of what no backend here can do."""
     check_fields(body, _CHAT_FIELDS if chat else _COMPLETION_FIELDS,
                  "/v1/chat/completions" if chat else "/v1/completions")
     stream = get_bool(body, "stream")
     include_usage = _stream_options(body, stream)
+    template_kwargs = ()
     if chat:
         messages, prompt, token_ids = chat_messages(body), "", ()
         with_logprobs, top = _chat_logprobs(body)
+        template_kwargs = chat_template_kwargs(body)
     else:
         messages = ()
         prompt, token_ids = _prompt(body)
         with_logprobs, top = _completion_logprobs(body)
     n, best_of = _choices(body, stream)
-    echo = _echo(body, with_logprobs)
+    echo = _echo(body, with_logprobs, backend)
     if body.get("prompt_logprobs") is not None:
-        raise FieldError("prompt_logprobs", "prompt_logprobs is not supported: the engines behind this server do not "
-                                            "report the prompt's own logprobs; leave it out")
+        # the step computes logits at each sequence's last position only
+        # (backends/generation/loop.py), so no backend here has the prompt's
+        raise FieldError("prompt_logprobs", f"prompt_logprobs is not supported by the {backend or 'serving'} backend: "
+                                            "it computes logits for the last prompt position only, so the prompt's "
+                                            "own logprobs are not known; leave prompt_logprobs out")
     constraint, constraint_field = _constraint(body)
     # the engine reports the chosen token's logprob only alongside at
     # least one alternative; the extra one is dropped when encoding.
@@ -85,7 +94,24 @@ def generation_fields(body: dict, chat: bool) -> GenerationFields:
     logprobs = max(top, 1) if with_logprobs or best_of > n else 0
     params = _sampling(body, logprobs, constraint)
     return GenerationFields(stream, include_usage, messages, prompt, token_ids, with_logprobs, top, params,
-                            n, best_of, echo, constraint_field)
+                            n, best_of, echo, constraint_field, template_kwargs)
+
+
+def chat_template_kwargs(body: dict) -> tuple[tuple[str, object], ...]:
+    """vLLM's chat_template_kwargs: an object of extra chat template
+    variables (add_generation_prompt, enable_thinking, ...)."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise FieldError("chat_template_kwargs", "chat_template_kwargs must be an object of template variables, got "
+                                                 f"{json_type_name(value)}")
+    kwargs = tuple(value.items())
+    try:
+        check_template_kwargs(kwargs)
+    except InvalidArgument as exc:
+        raise FieldError("chat_template_kwargs", str(exc)) from None
+    return kwargs
 
 
 def _choices(body: dict, stream: bool) -> tuple[int, int]:
@@ -103,11 +129,11 @@ def _choices(body: dict, stream: bool) -> tuple[int, int]:
     return n, best_of
 
 
-def _echo(body: dict, with_logprobs: bool) -> bool:
+def _echo(body: dict, with_logprobs: bool, backend: str) -> bool:
     echo = get_bool(body, "echo")
     if echo and with_logprobs:
-        raise FieldError("echo", "echo with logprobs needs the prompt's logprobs, which the engines behind this "
-                                 "server do not report; send echo without logprobs")
+        raise FieldError("echo", f"echo with logprobs needs the prompt's logprobs, which the {backend or 'serving'} "
+                                 "backend does not compute; send echo without logprobs")
     return echo
 
 

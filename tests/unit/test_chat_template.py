@@ -253,3 +253,38 @@ def test_the_override_file_stays_inside_the_model_folder(tmp_path):
     # the operator's --chat-template file wins over both, wherever it lies
     assert render_chat(template("chat.jinja", own="{{ 'own' }}", operator=str(tmp_path / "outside.jinja")), hi) \
         == "secret"
+
+
+THINKING = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them():
+    chat = (ChatMessage("user", "hi"),)
+    for kwargs in ({}, {"enable_thinking": False}, {"enable_thinking": True}, {"add_generation_prompt": False},
+                   {"self": 1, "bos_token": "<B>"}):
+        ours = render_chat(ChatTemplate(THINKING, SPECIAL), chat, (), kwargs)
+        theirs = _hf_tokenizer(THINKING).apply_chat_template(
+            _openai_dicts(chat), add_generation_prompt=kwargs.get("add_generation_prompt", True), tokenize=False,
+            **{k: v for k, v in kwargs.items() if k not in ("add_generation_prompt", "self")})
+        assert ours == theirs, kwargs
+    assert "<think>" in render_chat(ChatTemplate(THINKING, SPECIAL), chat, (), {"enable_thinking": False})
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"messages": []}, "'messages'"),
+    ({"tools": None}, "'tools'"),
+    ({"_private": 1}, "variable names"),
+    ({"a b": 1}, "variable names"),
+    ({f"k{i}": i for i in range(33)}, "at most 32"),
+    ({"big": "x" * 9000}, "over the limit of 8192"),
+])
+def test_chat_template_kwargs_have_limits(kwargs, named):
+    from modeld.backends.generation.params import GenerateRequest
+
+    request = GenerateRequest("m", messages=(ChatMessage("user", "hi"),), chat_template_kwargs=tuple(kwargs.items()))
+    with pytest.raises(InvalidArgument, match=named):
+        request.validate()
+    with pytest.raises(InvalidArgument, match="need chat messages"):
+        GenerateRequest("m", prompt="x", chat_template_kwargs=(("a", 1),)).validate()

@@ -144,3 +144,20 @@ def test_kserve_parameters_by_vllms_names():
                           ({"logit_bias": json.dumps({str(i): 1 for i in range(301)})}, "at most 300")):
         with pytest.raises(InvalidArgument, match=fragment):
             sampling_from_parameters(bad)
+
+
+def test_chat_template_kwargs_are_read_and_limited():
+    fields = generation_fields({**CHAT, "chat_template_kwargs": {"enable_thinking": False}}, chat=True)
+    assert fields.chat_template_kwargs == (("enable_thinking", False),)
+    for bad in ([1], {"messages": []}, {f"k{i}": i for i in range(33)}, {"x": "y" * 9000}):
+        with pytest.raises(FieldError) as failure:
+            generation_fields({**CHAT, "chat_template_kwargs": bad}, chat=True)
+        assert failure.value.param == "chat_template_kwargs"
+    with pytest.raises(FieldError) as failure:  # completions have no template
+        generation_fields({"model": "m", "prompt": "x", "chat_template_kwargs": {}}, chat=False)
+    assert failure.value.param == "chat_template_kwargs"
+    proto = request_from_proto(pb.GenerateRequest(model="m", messages=pb.ChatMessages(messages=[
+        pb.ChatMessage(role="user", content="hi")]), chat_template_kwargs='{"enable_thinking": true}'))
+    assert proto.chat_template_kwargs == (("enable_thinking", True),)
+    with pytest.raises(InvalidArgument, match="chat_template_kwargs"):
+        request_from_proto(pb.GenerateRequest(model="m", prompt="x", chat_template_kwargs="nope"))
