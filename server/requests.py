@@ -60,3 +60,4 @@ class ModelStatus:
     # while PULLING: bytes of its files fetched (or found in the cache) and in all
     pull_done: int = 0
     pull_total: int = 0
+    base: str = ""  # a LoRA adapter's base model; "" for every other model
