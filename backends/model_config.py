@@ -20,6 +20,7 @@ from modeld.backends.load_policy import LoadPolicy
 from modeld.backends.options import OPTIONS_BY_BACKEND, BackendOptions, parse_backend_options
 from modeld.backends.sizes import parse_size
 from modeld.backends.triton_config import triton_to_native
+from modeld.backends.version_policy import VersionPolicy, parse_version_policy
 
 # KServe v2 datatype names; the Triton model-config spelling is TYPE_<name>
 # (with TYPE_STRING for BYTES).
@@ -174,6 +175,7 @@ class ModelConfig:
     source: str = ""
     # more names the model answers to (vLLM's --served-model-name); its own name stays
     served_names: tuple[str, ...] = ()
+    version_policy: VersionPolicy = VersionPolicy()  # numbered version folders that serve (Triton's)
     # the daemon's settings on what the model's files may reach; stamped by
     # the engine at load, never read from a config (load_policy.py)
     policy: LoadPolicy = LoadPolicy()
@@ -230,7 +232,7 @@ def config_from_json(name: str, text: str) -> ModelConfig:
 _KNOWN_KEYS = {
     "format", "backends", "artifact", "batching", "memory_estimate", "warmup",
     "pinned", "lazy_load", "inputs", "outputs", "text", "name", "kind", "rerank", "limits", "isolation", "source", "served_names",
-    "embedding", "chat_template", "tool_parser", "reasoning_parser", "base", "lora", *OPTIONS_BY_BACKEND,
+    "embedding", "chat_template", "tool_parser", "reasoning_parser", "base", "lora", "version_policy", *OPTIONS_BY_BACKEND,
 }
 
 
@@ -277,6 +279,7 @@ def config_from_dict(name: str, raw: dict[str, Any]) -> ModelConfig:
         isolation=_isolation(reader),
         source=_source(reader),
         served_names=_served_names(reader),
+        version_policy=parse_version_policy(name, raw.get("version_policy")),
         chat_template=_safe_relative(name, reader.str("chat_template", ""), "chat_template"),
         tool_parser=reader.enum("tool_parser", ToolParser, ToolParser.HERMES),
         reasoning_parser=(reader.enum("reasoning_parser", ReasoningParser, ReasoningParser.THINK)

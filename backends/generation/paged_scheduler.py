@@ -13,7 +13,9 @@ LoRA adapters: each sequence runs under an adapter id (0: the base), carried
 in its plan items; at most max_loras_per_batch distinct adapters run at
 once, and a waiting sequence of another adapter waits until one of them
 has no sequence left. A prompt computed under one adapter has other KV than
-under another, so the prefix cache never shares blocks across adapters.
+under another, so each adapter's blocks are hashed in a namespace of its
+own (the block manager's salt): the prefix cache never shares blocks across
+adapters, nor between an adapter and the base.
 """
 
 from __future__ import annotations
@@ -81,13 +83,14 @@ class PagedScheduler(BaseScheduler):
         return None
 
     def _shares_cache(self, a: Sequence, b: Sequence) -> bool:
-        return (self._caches(a) and self._caches(b)
-                and self.adapter_of.get(a.seq_id, 0) == self.adapter_of.get(b.seq_id, 0))
+        return self.adapter_of.get(a.seq_id, 0) == self.adapter_of.get(b.seq_id, 0)
 
-    def _caches(self, seq: Sequence) -> bool:
-        """Whether seq reads and feeds the prefix cache: the base's sequences
-        only, until block hashes carry the adapter (then each adapter's own)."""
-        return seq.params.cache_prompt and seq.seq_id not in self.adapter_of
+    def _salt(self, seq: Sequence) -> bytes:
+        """seq's prefix-cache namespace: b"" for the base, the adapter's id
+        otherwise (ids are never reused, so an unloaded adapter's blocks are
+        never another's)."""
+        adapter = self.adapter_of.get(seq.seq_id, 0)
+        return adapter.to_bytes(8, "little") if adapter else b""
 
     def _finish(self, seq: Sequence, reason) -> None:
         super()._finish(seq, reason)
@@ -147,11 +150,11 @@ class PagedScheduler(BaseScheduler):
         return self._work(seq, chunk, 1 if len(chunk) == len(remaining) else 0, 0)
 
     def _admit(self, seq: Sequence, budget: int) -> PagedWork | None:
-        if self._caches(seq):
-            cached = self.blocks.match_prefix(seq.seq_id, seq.token_ids)
+        if seq.params.cache_prompt:
+            cached = self.blocks.match_prefix(seq.seq_id, seq.token_ids, self._salt(seq))
         else:
             cached = 0
-            self.blocks.start_sequence(seq.seq_id)
+            self.blocks.start_sequence(seq.seq_id, self._salt(seq))
         seq.num_computed = cached
         item = self._chunk(seq, budget)
         if item is None:
@@ -183,7 +186,7 @@ class PagedScheduler(BaseScheduler):
         self.num_preemptions += 1
 
     def _computed(self, seq: Sequence) -> None:
-        if self._caches(seq):
+        if seq.params.cache_prompt:
             self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
 
     def _trim(self, seq: Sequence, pos: int) -> None:

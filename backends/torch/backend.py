@@ -158,8 +158,9 @@ class TorchExecutor(StepExecutor):
 
         return llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=sorted(self.eos))
 
-    def apply_chat_template(self, messages: tuple[ChatMessage, ...], tools: tuple[ToolSpec, ...] = ()) -> str:
-        return render_chat(self.chat_template, messages, tools)
+    def apply_chat_template(self, messages: tuple[ChatMessage, ...], tools: tuple[ToolSpec, ...] = (),
+                            template_kwargs=None) -> str:
+        return render_chat(self.chat_template, messages, tools, template_kwargs)
 
 
 _BYTE_DECODER: dict[str, int] | None = None

@@ -289,7 +289,7 @@ def test_triton_json_artifact_escape_is_refused(artifact):
 
 def test_native_unknown_key_in_json_is_dropped_like_other_triton_keys():
     # Triton configs carry many keys modeld ignores; the JSON path accepts them.
-    config = config_from_json("m", json.dumps({"optimization": {"x": 1}, "version_policy": {}}))
+    config = config_from_json("m", json.dumps({"optimization": {"x": 1}, "instance_group": [{"kind": "KIND_CPU"}]}))
     assert config == ModelConfig(name="m")
 
 
