@@ -32,6 +32,7 @@ from modeld.server.lifecycle import Lifecycle
 from modeld.server.limits import RequestLimits
 from modeld.server.requests import InferRequest, InferResult, ModelState, ModelStatus
 from modeld.server.stats import ModelStats
+from modeld.server.versions import model_of, version_of
 
 __all__ = ["DataPlane", "MemoryFigures", "ModelLoad", "ModelMetadata", "ModelStatistics", "ServerMetadata",
            "MODEL_VERSION", "UnhealthyBackend"]
@@ -61,7 +62,8 @@ class ModelMetadata:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     max_batch_size: int  # 0: not batched
-    version: str = MODEL_VERSION
+    version: str = MODEL_VERSION  # the version these figures describe
+    versions: tuple[str, ...] = (MODEL_VERSION,)  # every version the model serves, ascending
     matryoshka_dimensions: tuple[int, ...] = ()  # shorter vector lengths an embedding model declares
 
     @property
@@ -119,50 +121,73 @@ class DataPlane:
 
     # -- which model ----------------------------------------------------------
 
-    def check_known(self, name: str, version: str = "") -> None:
-        """NOT_FOUND for a version other than the one modeld serves, or a name
-        that is neither served, loading nor in the repository."""
-        self.engine.check_version(name, version)
+    def check_known(self, name: str, version: str = "") -> str:
+        """The key of a known model's version (server/versions.py): NOT_FOUND
+        for a version it does not serve, or a name that is neither served,
+        loading nor in the repository."""
+        key = self._dispatch.key_for(name, version)
         if not self.engine.is_known(name):
             self.engine.repository.resolve(name)  # raises NOT_FOUND (or INVALID_ARGUMENT for a bad name)
+        return key
 
     def is_model_ready(self, name: str, version: str = "") -> bool:
-        self.engine.check_version(name, version)
-        return self.engine.state_of(name) is ModelState.READY
+        return self.engine.models.state_of(self._dispatch.key_for(name, version)) is ModelState.READY
 
     def model_state(self, name: str, version: str = "") -> ModelState:
-        """The state of a known model; NOT_FOUND for any other name."""
-        self.check_known(name, version)
-        return self.engine.state_of(name)
+        """The state of a known model's version; NOT_FOUND for any other name or version."""
+        return self.engine.models.state_of(self.check_known(name, version))
 
     def statuses(self) -> list[ModelStatus]:
-        return self.engine.statuses()
+        """One status per model, its default version's (the OpenAI list)."""
+        names = {model_of(k) for k in self._dispatch.all_keys()}
+        return [self.engine.models.status(self._dispatch.canonical(n)) for n in sorted(names)]
+
+    def version_statuses(self) -> list[ModelStatus]:
+        """Every version of every model (RepositoryIndex): each entry's served
+        versions, and any other version still loaded."""
+        return [self.engine.models.status(k) for k in self._dispatch.all_keys()]
 
     def find_status(self, name: str) -> ModelStatus | None:
-        """A known model's status, None for any other name, however it is spelled."""
-        return next((s for s in self.engine.statuses() if s.name == name), None)
+        """A known model's status (its default version's), None for any other
+        name, however it is spelled."""
+        try:
+            if not self.engine.is_known(name):
+                return None
+            return self.engine.models.status(self._dispatch.key_for(name))
+        except ModeldError:
+            return None
 
     async def model(self, name: str, version: str = "") -> ModelMetadata:
-        """The model's metadata, loading it first where it is not served."""
-        return _metadata(await self.engine.ensure_loaded(name, version))
+        """The model version's metadata, loading it first where it is not served."""
+        served = await self.engine.ensure_loaded(name, version)
+        versions = tuple(version_of(k) for k in self._dispatch.version_keys(name))
+        return _metadata(served, versions)
 
     async def is_language_model(self, name: str, version: str = "") -> bool:
         # on every ModelInfer: asks the served model, without building its metadata
         return (await self.engine.ensure_loaded(name, version)).is_generative
 
     def statistics(self, name: str = "", version: str = "") -> list[ModelStatistics]:
-        """One model's figures, or every known model's when `name` is empty."""
-        if name:
-            self.check_known(name, version)
-        names = [name] if name else [s.name for s in self.engine.statuses()]
-        return [ModelStatistics(n, self.engine.stats(n), _nbytes(self.engine.served(n))) for n in names]
+        """One model version's figures; every served version of a model
+        without `version` (Triton's); every known model's when `name` is empty."""
+        if name and version:
+            keys = [self.check_known(name, version)]
+        elif name:
+            self.check_known(name)
+            keys = sorted(set(self._dispatch.version_keys(name)) | set(self._dispatch.loaded_keys(name)),
+                          key=lambda k: int(version_of(k)))
+        else:
+            keys = self._dispatch.all_keys()
+        return [ModelStatistics(model_of(k), self.engine.models.stats(k), _nbytes(self.engine.models.get(k)),
+                                version_of(k)) for k in keys]
 
     # -- the repository -------------------------------------------------------
 
     async def load(self, name: str, config: object = None, files: Mapping[str, bytes] | None = None) -> None:
         """Load by name from the repository, or inline: `config` the model's
         configuration as JSON text, `files` its files by `file:<path>` key,
-        each front having decoded their contents."""
+        each front having decoded their contents. Every version its policy
+        serves loads (Triton's); a version that left the policy unloads."""
         files = dict(files or {})
         if config is not None and not isinstance(config, str):
             raise InvalidArgument("load parameter 'config' must be a string holding the model configuration as JSON "
@@ -173,15 +198,42 @@ class DataPlane:
         if files:  # checked before a byte is written; add_inline then writes without yielding
             self.limits.check_inline_upload(repository.inline_root, name, sum(len(v) for v in files.values()))
         source = repository.add_inline(name, config, files) if config is not None else None
+        self._dispatch.versions.forget(name)
         try:
-            await self.engine.load(name, source)
+            keys = self._keys_to_load(name)
+            for key in keys:
+                await self.engine.load(key, None if source is None else repository.resolve(key))
         except ModeldError:  # not a cancelled caller: its load runs on, shielded
-            if source is not None and self.engine.served(name) is None:
+            if source is not None and not self._dispatch.loaded_keys(name):
                 repository.remove_inline(name)  # uploaded files no model serves would only hold the disk
+                self._dispatch.versions.forget(name)
             raise
+        for stale in set(self._dispatch.loaded_keys(name)) - set(keys):
+            await self.engine.unload(stale, forget_inline=False)
+
+    def _keys_to_load(self, name: str) -> list[str]:
+        keys = self._dispatch.version_keys(name)
+        if not keys:  # the policy matches no folder: say so, naming the policy
+            self._dispatch.key_for(name)
+        return keys
 
     async def unload(self, name: str) -> None:
-        await self.engine.unload(name)
+        """Every version of the model, the entry's own name last (which
+        forgets an inline model's files)."""
+        model = self._dispatch.model_name(name)
+        for key in self._dispatch.loaded_keys(model):
+            if key != model:
+                await self.engine.unload(key, forget_inline=False)
+        await self.engine.unload(model)
+        self._dispatch.versions.forget(model)
+
+    @property
+    def _dispatch(self):
+        return self.engine.dispatch
+
+    def _served(self, name: str) -> ServedModel | None:
+        """The served default version of the model `name` means (an alias's, too)."""
+        return self.engine.models.get(self._dispatch.canonical(name))
 
     # -- requests -------------------------------------------------------------
 
@@ -212,7 +264,7 @@ class DataPlane:
         return self._config(name)
 
     def _config(self, model: str) -> ModelConfig:
-        served = self.engine.served(model)
+        served = self._served(model)
         return served.config if served is not None else self.engine.repository.resolve(model).config
 
     async def infer(self, request: InferRequest) -> InferResult:
@@ -245,11 +297,15 @@ class DataPlane:
     async def tokenize(self, name: str, text: str) -> list[int]:
         return await self.engine.tokenize(name, text)
 
+    async def prompt_ids(self, request: GenerateRequest) -> list[int]:
+        """The token ids generation would feed for this request's prompt (its chat template applied)."""
+        return await self.engine.prompt_ids(request)
+
     def context_length(self, name: str) -> int | None:
         """The most tokens one sequence of a served language model may hold;
         None where the model runs elsewhere (a worker process, a remote
         engine) and has not said."""
-        served = self.engine.served(name)
+        served = self._served(name)
         loop = getattr(served.loaded, "loop", None) if served is not None else None
         config = getattr(getattr(loop, "scheduler", None), "config", None)
         return getattr(config, "context_length", None)
@@ -259,7 +315,7 @@ class DataPlane:
         graph sees them (truncated to max_length); None for a model without
         one. The backend tokenizes inside itself (a worker process, maybe)
         and reports no count, so the front's usage counts here."""
-        served = self.engine.served(name)
+        served = self._served(name)
         spec = served.config.text if served is not None else None
         if spec is None:
             return None
@@ -288,13 +344,16 @@ class DataPlane:
         return MemoryFigures(memory.used, memory.budget, memory.daemon_bytes)
 
     def model_loads(self) -> list[ModelLoad]:
+        """Each version's load (a gateway reads a model as here while any of them is ready)."""
         held = self._bytes_by_model()
-        return [_load_of(status, self.engine.stats(status.name), held.get(status.name, 0),
-                         self.engine.served(status.name)) for status in self.engine.statuses()]
+        models = self.engine.models
+        return [_load_of(models.status(k), models.stats(k), held.get(k, 0), models.get(k))
+                for k in self._dispatch.all_keys()]
 
     def _bytes_by_model(self) -> dict[str, int]:
-        """What the budget holds per model name, summed over its backends; a
-        model being loaded holds its estimate here before it is served."""
+        """What the budget holds per model version (by its key), summed over
+        its backends; a model being loaded holds its estimate here before it
+        is served."""
         memory, held = self.engine.memory, {}
         for key in memory.keys_lru_first():
             held[key.model] = held.get(key.model, 0) + memory.entry(key).nbytes
@@ -304,10 +363,11 @@ class DataPlane:
         return self.engine.unhealthy_backends()
 
 
-def _metadata(served: ServedModel) -> ModelMetadata:
+def _metadata(served: ServedModel, versions: tuple[str, ...]) -> ModelMetadata:
     config = served.config
-    return ModelMetadata(config.name, served.backend.name, config.kind, served.is_generative,
+    return ModelMetadata(model_of(config.name), served.backend.name, config.kind, served.is_generative,
                          tuple(served.loaded.inputs), tuple(served.loaded.outputs), config.max_batch_size,
+                         version=version_of(config.name), versions=versions or (version_of(config.name),),
                          matryoshka_dimensions=config.matryoshka_dimensions)
 
 

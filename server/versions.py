@@ -20,7 +20,6 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from modeld.backends.errors import ModeldError, NotFound
-from modeld.backends.version_policy import VersionPolicy
 
 if TYPE_CHECKING:
     from modeld.server.repository import ModelSource
@@ -61,9 +60,17 @@ def parse_version(text: str) -> int | None:
     return int(text)
 
 
-def policy_of(config) -> VersionPolicy:
-    # getattr: the config parser gains `version_policy` with helper C's edit of model_config.py
-    return getattr(config, "version_policy", None) or VersionPolicy()
+def select_versions(config, found: list[int]) -> tuple[int, ...]:
+    """The config's version_policy applied to the version folders `found`."""
+    # getattr: ModelConfig gains `version_policy` with helper C's edit of
+    # model_config.py; until then every entry has Triton's default, latest 1
+    policy = getattr(config, "version_policy", None)
+    return policy.select(found) if policy is not None else tuple(sorted(found)[-1:])
+
+
+def describe_policy(config) -> str:
+    policy = getattr(config, "version_policy", None)
+    return policy.describe() if policy is not None else "latest 1"
 
 
 def version_folders(source: ModelSource) -> tuple[str, list[int]] | None:
@@ -94,7 +101,7 @@ def served_versions(source: ModelSource) -> tuple[int, ...]:
     layout = version_folders(source)
     if layout is None:
         return (DEFAULT_VERSION,)
-    return policy_of(source.config).select(layout[1])
+    return select_versions(source.config, layout[1])
 
 
 def at_version(source: ModelSource, version: int | None) -> ModelSource:
@@ -113,7 +120,7 @@ def at_version(source: ModelSource, version: int | None) -> ModelSource:
         if version not in found:
             return source
     else:
-        served = policy_of(source.config).select(found)
+        served = select_versions(source.config, found)
         if version not in served:
             raise NotFound(no_version_message(name, str(version), served, source))
     config = dataclasses.replace(source.config, name=version_key(name, version), artifact=f"{version}/{base}")
@@ -124,7 +131,7 @@ def no_version_message(name: str, version: str, served: tuple[int, ...], source:
     if served:
         listed = ", ".join(map(str, served))
         return f"model {name!r} has no version {version!r}; it serves version{'s' if len(served) > 1 else ''} {listed}"
-    policy = policy_of(source.config).describe() if source is not None else "its version_policy"
+    policy = describe_policy(source.config) if source is not None else "its version_policy"
     return (f"model {name!r} has no version {version!r}: its version_policy ({policy}) matches none of its "
             "version folders")
 

@@ -17,11 +17,15 @@ from modeld.backends.errors import (
     error_for,
 )
 from modeld.backends.generation.params import FinalEvent, GenerateRequest, SpeculativeMode, TokenEvent
+from modeld.backends.model_config import validate_model_name
 from modeld.server.metrics import Metrics
 from modeld.server.request_context import current_protocol
 from modeld.server.requests import InferRequest, InferResult
 from modeld.server.rerank import plan_rerank
 from modeld.server.validation import validate_inputs
+from modeld.server.versions import (
+    DEFAULT_VERSION, SEPARATOR, VersionIndex, model_of, no_version_message, parse_version, version_key, version_of,
+)
 
 from .deadlines import next_event, within
 from .failover import Failover
@@ -34,6 +38,8 @@ _CAPABILITY_HINTS = {
     Capability.SEQUENCE_BATCHING: "stateful sequences (sequence_id) are not supported; send each request on its own",
     Capability.SHARED_MEMORY: "shared-memory tensors are not supported; send tensor data in raw_input_contents",
     Capability.GENERATION: "use a language model for generation",
+    Capability.CONSTRAINED_DECODING: "serve the model with the llamacpp or torch backend, or a remote engine, "
+                                     "for structured output",
 }
 
 Event = TokenEvent | FinalEvent
@@ -48,15 +54,16 @@ class Dispatcher:
         self.failover = failover
         self.metrics = metrics
         self.lazy_load = lazy_load
+        self.versions = VersionIndex(lifecycle.repository.resolve)  # each model's served versions
         # generations in progress at once, daemon-wide: past it a new one is
         # refused at once rather than queued behind work the node cannot take
         self.max_streams = max_streams
         self.num_streams = 0
 
-    def canonical(self, name: str) -> str:
+    def model_name(self, name: str) -> str:
         """The model a name means: itself, or the model whose served_names holds it."""
         if name in self.models.aliases:
-            return self.models.aliases[name]
+            return model_of(self.models.aliases[name])  # an alias registered by a version names its model
         if self.models.is_active(name):
             return name
         try:
@@ -64,36 +71,93 @@ class Dispatcher:
         except ModeldError:  # a malformed name names nothing
             return name
 
+    def canonical(self, name: str) -> str:
+        """The engine entry a name means: its model's default version's key
+        (the name itself where it names no version that serves)."""
+        try:
+            return self.key_for(name)
+        except ModeldError:
+            return name
+
+    def key_for(self, name: str, version: str = "") -> str:
+        """The engine's key for `version` of the model `name` means
+        (server/versions.py); no version: the highest its policy serves.
+        NOT_FOUND for a version the model does not serve."""
+        if SEPARATOR in name:  # keys are the engine's own: a client's ':' is a malformed name
+            validate_model_name(name)
+        model = self.model_name(name)
+        versions = self.versions.of(model)
+        if versions is None:  # not an entry: the lookup of the name itself says why
+            if version not in ("", MODEL_VERSION):
+                self.lifecycle.repository.resolve(model)  # NOT_FOUND (unknown) or INVALID_ARGUMENT (malformed)
+                raise NotFound(no_version_message(model, version, (DEFAULT_VERSION,)))
+            return model
+        if not version:
+            if not versions:
+                raise NotFound(no_version_message(model, version, versions, self.versions.source(model)))
+            return version_key(model, versions[-1])
+        number = parse_version(version)
+        if number not in versions:
+            raise NotFound(no_version_message(model, version, versions, self.versions.source(model)))
+        return version_key(model, number)
+
+    def version_keys(self, name: str) -> list[str]:
+        """The keys of every version the model `name` means serves, ascending."""
+        model = self.model_name(name)
+        versions = self.versions.of(model)
+        return [model] if versions is None else [version_key(model, v) for v in versions]
+
+    def loaded_keys(self, name: str) -> list[str]:
+        """The keys of the model's versions served or loading now."""
+        model = self.model_name(name)
+        return sorted((k for k in self.models.names() if model_of(k) == model), key=_by_version)
+
+    def all_keys(self) -> list[str]:
+        """Every version of every model known: each entry's served versions and whatever is loaded."""
+        keys = set(self.models.names())
+        for name in self.lifecycle.repository.names():
+            keys.update(self.version_keys(name))
+        return sorted(keys, key=lambda k: (model_of(k), _by_version(k)))
+
     def is_known(self, name: str) -> bool:
-        name = self.canonical(name)
-        return self.models.is_active(name) or name in self.lifecycle.repository.names()
+        """A model (or a version's key) served, loading, or in the repository."""
+        if self.models.is_active(name):
+            return True
+        if SEPARATOR in name:  # a key not loaded, or a client's made-up name: neither may grow a metric
+            return False
+        model = self.model_name(name)
+        return (self.models.is_active(model) or model in self.lifecycle.repository.names()
+                or bool(self.loaded_keys(model)))
 
     async def ensure_loaded(self, name: str, version: str = "") -> ServedModel:
-        check_version(name, version)
-        name = self.models.aliases.get(name, name)
-        served = self.models.get(name)
-        if served is not None and name not in self.models.unloading:
+        return await self.ensure_key_loaded(self.key_for(name, version))
+
+    async def ensure_key_loaded(self, key: str) -> ServedModel:
+        served = self.models.get(key)
+        if served is not None and key not in self.models.unloading:
             return served
-        source = self.lifecycle.repository.resolve(name)
-        name = source.config.name  # an alias's model
-        served = self.models.get(name)
-        if served is not None and name not in self.models.unloading:
+        source = self.lifecycle.repository.resolve(key)
+        key = source.config.name  # an alias's model
+        served = self.models.get(key)
+        if served is not None and key not in self.models.unloading:
             return served
         lazy = source.config.lazy_load if source.config.lazy_load is not None else self.lazy_load
-        if not lazy and name not in self.models.loading:
-            raise Unavailable(f"model {name!r} is not loaded and lazy loading is off; load it first (RepositoryModelLoad)")
-        return await self.lifecycle.load(name)
+        if not lazy and key not in self.models.loading:
+            raise Unavailable(f"model {model_of(key)!r} version {version_of(key)} is not loaded and lazy loading is "
+                              "off; load it first (RepositoryModelLoad)")
+        return await self.lifecycle.load(key)
 
     @contextlib.contextmanager
-    def counting_call(self, name: str):
+    def counting_call(self, key: str):
         """In flight from entry (a lazy load's wait included) until the call
         leaves, however it leaves, and a failure counted by its kind, once
-        per call. A name nobody knows is not counted: ensure_loaded refuses
-        it, and made-up names must not grow the statistics."""
-        if not self.is_known(name):
+        per call, on the model version `key` names. A name nobody knows is
+        not counted: ensure_loaded refuses it, and made-up names must not
+        grow the statistics."""
+        if not self.is_known(model_of(key)):  # key_for made it: its version serves
             yield
             return
-        stats = self.models.stats(self.canonical(name))
+        stats = self.models.stats(key)
         stats.begin_call()
         try:
             yield
@@ -115,8 +179,9 @@ class Dispatcher:
     # -- tensor calls -------------------------------------------------------------
 
     async def infer(self, request: InferRequest) -> InferResult:
-        with self.counting_call(request.model_name):
-            served = await self.ensure_loaded(request.model_name, request.model_version)
+        key = self.key_for(request.model_name, request.model_version)
+        with self.counting_call(key):
+            served = await self.ensure_key_loaded(key)
             started = time.perf_counter_ns()
             try:
                 async with within(request.timeout_s):
@@ -125,7 +190,8 @@ class Dispatcher:
                 served.stats.record_failure(time.perf_counter_ns() - started)
                 raise
             self.count_success(served, time.perf_counter_ns() - started)
-            return InferResult(request.model_name, MODEL_VERSION, request.id, outputs, served.backend.name)
+            return InferResult(request.model_name, version_of(served.config.name), request.id, outputs,
+                               served.backend.name)
 
     async def _infer_on(self, served: ServedModel, request: InferRequest) -> tuple[ServedModel, dict[str, np.ndarray]]:
         """Run on `served`, or on the backend it falls back to; says which."""
@@ -169,7 +235,7 @@ class Dispatcher:
                                     "retry later or on another node")
         self.num_streams += 1
         try:
-            with self.counting_call(request.model_name):
+            with self.counting_call(self.key_for(request.model_name)):
                 # aclosing: a consumer that leaves early closes the inner stream
                 # now (its sequence and memory freed), not whenever it is collected
                 async with contextlib.aclosing(self._generate_or_fail_over(request, timeout_s)) as events:
@@ -230,8 +296,14 @@ class Dispatcher:
 
 
 def check_version(name: str, version: str) -> None:
-    if version not in ("", MODEL_VERSION):
-        raise NotFound(f"model {name!r} has no version {version!r}; it has version {MODEL_VERSION}")
+    """NOT_FOUND for a version no model can have (not a positive number);
+    whether `name` serves it is Dispatcher.key_for's to say."""
+    if version and parse_version(version) is None:
+        raise NotFound(f"model {name!r} has no version {version!r}; versions are positive whole numbers")
+
+
+def _by_version(key: str) -> int:
+    return int(version_of(key))
 
 
 def _generation_capabilities(request: GenerateRequest) -> frozenset[Capability]:
@@ -240,6 +312,8 @@ def _generation_capabilities(request: GenerateRequest) -> frozenset[Capability]:
         needed.add(Capability.SPECULATIVE_DECODING)
     if request.params.logprobs:
         needed.add(Capability.LOGPROBS)
+    if request.params.constraint is not None:
+        needed.add(Capability.CONSTRAINED_DECODING)
     return frozenset(needed)
 
 

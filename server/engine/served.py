@@ -22,8 +22,9 @@ from modeld.server.repository import ModelSource
 from modeld.server.requests import ModelState, ModelStatus
 from modeld.server.stats import ModelStats
 from modeld.server.store import Progress
+from modeld.server.versions import model_of, version_of
 
-MODEL_VERSION = "1"
+MODEL_VERSION = "1"  # what an entry without version folders serves as (server/versions.py)
 
 StateListener = Callable[[str, ModelState], None]
 
@@ -125,16 +126,19 @@ class ModelTable:
             return ModelState.LOADING
         return ModelState.UNAVAILABLE
 
-    def status(self, name: str) -> ModelStatus:
-        served = self.served.get(name)
-        pulling = self.pulling.get(name) if served is None else None
+    def status(self, key: str) -> ModelStatus:
+        """A model version's status, by its key (server/versions.py): the
+        status names the model and the version apart."""
+        served = self.served.get(key)
+        pulling = self.pulling.get(key) if served is None else None
+        name, version = model_of(key), version_of(key)
         if pulling is not None:
             uri, progress = pulling
-            return ModelStatus(name, MODEL_VERSION, ModelState.PULLING,
+            return ModelStatus(name, version, ModelState.PULLING,
                                f"pulling {uri}: {progress.done} of {progress.total} bytes",
                                pull_done=progress.done, pull_total=progress.total)
         return ModelStatus(
-            name, MODEL_VERSION, self.state_of(name), self.failures.get(name, ""),
+            name, version, self.state_of(key), self.failures.get(key, ""),
             served.backend.name if served else "", served.loaded.nbytes if served else 0,
         )
 

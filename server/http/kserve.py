@@ -117,7 +117,7 @@ class KServeApi:
         name, version = _model_of(request)
         model = await self.plane.model(name, version)
         return _json({
-            "name": name, "versions": [model.version], "platform": model.platform,
+            "name": name, "versions": list(model.versions), "platform": model.platform,
             "inputs": [spec_json(s) for s in model.inputs], "outputs": [spec_json(s) for s in model.outputs],
         })
 
@@ -136,7 +136,7 @@ class KServeApi:
             raise InvalidArgument(f"'ready' must be true or false, got {ready_only!r}")
         return _json([
             {"name": s.name, "version": s.version, "state": s.state.value, "reason": s.reason}
-            for s in self.plane.statuses() if not ready_only or s.state is ModelState.READY
+            for s in self.plane.version_statuses() if not ready_only or s.state is ModelState.READY
         ])
 
     @_endpoint

@@ -54,7 +54,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     @grpc_errors
     async def ModelMetadata(self, request, context):
         model = await self.plane.model(request.name, request.version)
-        response = pb.ModelMetadataResponse(name=request.name, versions=[model.version], platform=model.platform)
+        response = pb.ModelMetadataResponse(name=request.name, versions=list(model.versions), platform=model.platform)
         for spec in model.inputs:
             response.inputs.add(name=spec.name, datatype=spec.datatype, shape=list(spec.shape))
         for spec in model.outputs:
@@ -87,7 +87,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     @grpc_errors
     async def RepositoryIndex(self, request, context):
         response = pb.RepositoryIndexResponse()
-        for status in self.plane.statuses():
+        for status in self.plane.version_statuses():
             if request.ready and status.state is not ModelState.READY:
                 continue
             response.models.add(name=status.name, version=status.version, state=status.state.value, reason=status.reason)
