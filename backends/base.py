@@ -221,5 +221,10 @@ class GenerativeModel(LoadedModel):
         (chat template and tools rendered)."""
         return self.loop.prompt_ids(request)
 
+    def prompt_ids(self, request) -> list[int]:
+        """The prompt's token ids exactly as generation would feed them
+        (chat template and tools rendered)."""
+        return self.loop.prompt_ids(request)
+
     def detokenize(self, token_ids: list[int]) -> str:
         return self.runner.detokenize(token_ids)

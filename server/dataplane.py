@@ -298,6 +298,11 @@ class DataPlane:
         return await self.engine.tokenize(name, text)
 
     async def prompt_ids(self, request: GenerateRequest) -> list[int]:
+        """The token ids generation would feed for `request` (its chat
+        template, tools and template arguments rendered): /tokenize with messages."""
+        return await self.engine.prompt_ids(request)
+
+    async def prompt_ids(self, request: GenerateRequest) -> list[int]:
         """The token ids generation would feed for this request's prompt (its chat template applied)."""
         return await self.engine.prompt_ids(request)
 

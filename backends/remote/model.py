@@ -270,6 +270,11 @@ class RemoteModel(GenerativeModel):
     async def detokenize(self, token_ids: list[int]) -> str:
         return await self._counted(self.protocol.detokenize(token_ids))
 
+    def prompt_ids(self, request) -> list[int]:
+        raise Unimplemented(f"model {self.name!r} runs on a remote engine, which renders chat "
+                            "messages with its own template: send them to that engine's /tokenize, or tokenize a "
+                            "prompt here")
+
     async def _counted(self, call):
         try:
             return await call
