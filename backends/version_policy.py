@@ -57,7 +57,7 @@ class VersionPolicy:
 
 def parse_version_policy(model: str, raw: Any) -> VersionPolicy:
     """`version_policy` from model.toml or an inline config; None: latest 1."""
-    if raw is None:
+    if raw is None or raw == {}:  # Triton's JSON of an unset policy: its default
         return VersionPolicy()
     if raw == "all":
         return VersionPolicy(PolicyKind.ALL)

@@ -302,10 +302,6 @@ class DataPlane:
         template, tools and template arguments rendered): /tokenize with messages."""
         return await self.engine.prompt_ids(request)
 
-    async def prompt_ids(self, request: GenerateRequest) -> list[int]:
-        """The token ids generation would feed for this request's prompt (its chat template applied)."""
-        return await self.engine.prompt_ids(request)
-
     def context_length(self, name: str) -> int | None:
         """The most tokens one sequence of a served language model may hold;
         None where the model runs elsewhere (a worker process, a remote
