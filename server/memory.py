@@ -4,7 +4,9 @@ Pure bookkeeping, no I/O: the engine asks `plan` which models to evict for a
 load, unloads them, then `add`s the new one. Keys are ModelKey values.
 Invariants: the sum of `nbytes`, plus the daemon's own share, never passes
 the budget; a pinned entry or one with requests in flight is never chosen for
-eviction. The daemon's share (its resident memory outside every in-process
+eviction. A LoRA adapter's entry names its base's: the base is never chosen
+while one of its adapters is pinned or busy, and choosing the base chooses
+its adapters first (they cannot outlive it). The daemon's share (its resident memory outside every in-process
 model: interpreter, gRPC, imported runtimes) is in the books so the budget
 holds for the whole process tree, not only for the models in it.
 """
@@ -35,6 +37,7 @@ class MemoryEntry:
     nbytes: int
     is_pinned: bool = False
     num_in_flight: int = 0
+    base: ModelKey | None = None  # a LoRA adapter's base model
 
     @property
     def is_evictable(self) -> bool:
@@ -81,12 +84,26 @@ class MemoryManager:
             if need <= 0:
                 break
             # a model holding no bytes (a remote engine's) frees nothing: never a victim
-            if entry.is_evictable and entry.nbytes > 0 and key not in exclude:
-                victims.append(key)
-                need -= entry.nbytes
+            if key in victims or not self._can_evict(entry, exclude) or entry.nbytes <= 0:
+                continue
+            for adapter in self.adapters_of(key):  # they go before their base
+                if adapter not in victims:
+                    victims.append(adapter)
+                    need -= self._entries[adapter].nbytes
+            victims.append(key)
+            need -= entry.nbytes
         if need > 0:
             raise ResourceExhausted(self.refusal(nbytes))
         return victims
+
+    def adapters_of(self, base: ModelKey) -> list[ModelKey]:
+        """The LoRA adapters whose base is `base`, least recently used first."""
+        return [key for key, entry in self._entries.items() if entry.base == base]
+
+    def _can_evict(self, entry: MemoryEntry, exclude: frozenset[ModelKey]) -> bool:
+        if not entry.is_evictable or entry.key in exclude:
+            return False
+        return all(self._entries[a].is_evictable and a not in exclude for a in self.adapters_of(entry.key))
 
     def refusal(self, nbytes: int) -> str:
         """Why a load of nbytes cannot fit, and what to change."""
@@ -99,10 +116,10 @@ class MemoryManager:
             + "; raise --memory-budget or unload a model"
         )
 
-    def add(self, key: ModelKey, nbytes: int, is_pinned: bool = False) -> None:
+    def add(self, key: ModelKey, nbytes: int, is_pinned: bool = False, base: ModelKey | None = None) -> None:
         if nbytes > self.free:
             raise ResourceExhausted(self.refusal(nbytes))
-        self._entries[key] = MemoryEntry(key, nbytes, is_pinned)
+        self._entries[key] = MemoryEntry(key, nbytes, is_pinned, base=base)
 
     def resize(self, key: ModelKey, nbytes: int) -> None:
         """Replace an estimate with the measured figure; may pass the budget.
@@ -122,6 +139,8 @@ class MemoryManager:
         """A request starts using the model: it becomes most recent and busy."""
         entry = self._entries[key]
         entry.num_in_flight += 1
+        if entry.base is not None:
+            self.touch(entry.base)  # an adapter's work is its base's too
         self._entries.move_to_end(key)
 
     def release(self, key: ModelKey) -> None:

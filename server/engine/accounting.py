@@ -46,12 +46,14 @@ class MemoryAccounting:
 
     # -- loads ------------------------------------------------------------------
 
-    async def reserve(self, key: ModelKey, estimate: int, is_pinned: bool, exclude: frozenset[ModelKey]) -> None:
-        """Make room for a load's estimate and hold it in the books while it loads."""
+    async def reserve(self, key: ModelKey, estimate: int, is_pinned: bool, exclude: frozenset[ModelKey],
+                      base: ModelKey | None = None) -> None:
+        """Make room for a load's estimate and hold it in the books while it
+        loads (base: a LoRA adapter's base, whose entry it is tied to)."""
         async with self.lock:
             for victim in self.memory.plan(estimate, exclude | self.reserved):
                 await self._evict(victim)
-            self.memory.add(key, estimate, is_pinned)
+            self.memory.add(key, estimate, is_pinned, base=base)
             self.reserved.add(key)
 
     def cancel(self, key: ModelKey) -> None:

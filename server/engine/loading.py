@@ -4,6 +4,10 @@ processes until they end.
 
 Loads run one at a time so a backend's measured memory growth is its own;
 concurrent loads of one model share one load.
+
+A LoRA adapter (`format = "lora"`) loads its base first, then becomes
+resident on the base's runtime: its own entry in the budget (its measured
+bytes), tied to the base's, so the base outlives its adapters.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import structlog
 
 from modeld.backends.artifact_paths import scrub_paths
 from modeld.backends.base import Backend, GenerativeModel, LoadedModel
-from modeld.backends.errors import InvalidArgument, LoadFailed, ModeldError, NotFound, ResourceExhausted, error_for
+from modeld.backends.errors import (
+    FailedPrecondition, InvalidArgument, LoadFailed, ModeldError, NotFound, ResourceExhausted, error_for,
+)
 from modeld.backends.generation.params import FinalEvent, GenerateRequest, SamplingParams
 from modeld.backends.load_policy import LoadPolicy
 from modeld.backends.model_config import ModelConfig
@@ -99,6 +105,8 @@ class ModelLifecycle:
 
     async def _load(self, name: str, source: ModelSource | None) -> ServedModel:
         source = source or self.repository.resolve(name)
+        if source.config.is_adapter:
+            return await self._load_adapter(name, source)
         if source.config.source:
             source = await self._pull(name, source)
         source = resolve_embedding_model(self._resolve_draft(source), self.repository)
@@ -122,6 +130,86 @@ class ModelLifecycle:
         self.models.failures.pop(name, None)
         self.metrics.loads.labels(name, "ok").inc()
         return served
+
+    # -- LoRA adapters -------------------------------------------------------------
+
+    async def _load_adapter(self, name: str, source: ModelSource) -> ServedModel:
+        try:
+            served = await self._load_adapter_on_base(name, source)
+        except ModeldError as exc:
+            self.metrics.loads.labels(name, "failed").inc()
+            self.models.failures[name] = str(exc)
+            raise
+        self.models.failures.pop(name, None)
+        self.metrics.loads.labels(name, "ok").inc()
+        return served
+
+    async def _load_adapter_on_base(self, name: str, source: ModelSource) -> ServedModel:
+        config = source.config
+        base = await self._adapter_base(name, config.base)
+        if name in self.models.served:
+            await self.unload(name, forget_inline=False)
+        await self._make_room_for_adapter(name, base)
+        key = ModelKey(base.backend.name, name)
+        artifact = source.model_dir / config.artifact_path
+        estimate = artifact.stat().st_size if artifact.is_file() else 0
+        await self.accounting.reserve(key, estimate, config.pinned, frozenset({base.key}), base=base.key)
+        try:
+            async with self._load_lock:
+                loaded = await anyio.to_thread.run_sync(base.loaded.load_adapter, config, source.model_dir)
+        except BaseException:
+            self.accounting.cancel(key)
+            raise
+        try:
+            await self.accounting.settle(key, loaded.nbytes, frozenset({base.key}))
+        except ResourceExhausted:
+            await loaded.unload_async()
+            raise
+        served = await self._start(self._make_served(config, source, base.backend, loaded))
+        log.info("adapter_loaded", model=name, base=config.base, backend=base.backend.name, nbytes=loaded.nbytes)
+        self.models.register(served, self.repository.names)
+        self.models.notify(name, ModelState.READY)
+        return served
+
+    async def _adapter_base(self, name: str, base_name: str) -> ServedModel:
+        """The adapter's base, loaded (it loads now if it is not), checked able to apply adapters."""
+        try:
+            base_source = self.repository.resolve(base_name)
+        except NotFound:
+            raise InvalidArgument(f"adapter {name!r}: config key base names {base_name!r}, which is not a model in "
+                                  "the repository") from None
+        if base_source.config.is_adapter:
+            raise InvalidArgument(f"adapter {name!r}: config key base names {base_name!r}, itself an adapter; "
+                                  "name the model it adapts")
+        base = await self.load(base_name)
+        if base.worker is not None:
+            raise FailedPrecondition(
+                f"adapter {name!r}: its base {base_name!r} runs in a worker process, which adapters cannot reach; "
+                "set isolation = \"in-process\" in the base's model.toml")
+        if not hasattr(base.loaded, "load_adapter"):
+            raise FailedPrecondition(
+                f"adapter {name!r}: its base {base_name!r} is served by the {base.backend.name} backend, which "
+                "cannot apply LoRA adapters yet; serve the base on torch (backends = [\"torch\"])")
+        return base
+
+    def adapters_of(self, base_name: str) -> list[ServedModel]:
+        return [s for s in self.models.served.values() if s.config.is_adapter and s.config.base == base_name]
+
+    async def _make_room_for_adapter(self, name: str, base: ServedModel) -> None:
+        """Keep the base's adapters within lora.max_loaded_loras: unload its
+        least recently used idle one if the new one would pass the cap."""
+        cap = base.config.lora.max_loaded_loras
+        resident = {s.key: s for s in self.adapters_of(base.config.name)}
+        if len(resident) < cap:
+            return
+        async with self.accounting.lock:
+            memory = self.accounting.memory
+            idle = [k for k in memory.adapters_of(base.key) if k in resident and memory.entry(k).is_evictable]
+            if not idle:
+                raise ResourceExhausted(
+                    f"adapter {name!r}: its base {base.config.name!r} holds lora.max_loaded_loras = {cap} adapters, "
+                    "every one busy or pinned; retry later or raise the base's lora.max_loaded_loras")
+            await self.evict(idle[0])
 
     async def _pull(self, name: str, source: ModelSource) -> ModelSource:
         """Fetch a store model's files into the disk cache (PULLING meanwhile)."""
@@ -293,8 +381,12 @@ class ModelLifecycle:
         self.models.notify(name, ModelState.UNAVAILABLE)
 
     async def drop(self, served: ServedModel) -> None:
-        """Stop one ServedModel and free what it holds (its standby too)."""
+        """Stop one ServedModel and free what it holds (its standby, and
+        its LoRA adapters, first)."""
         if self.models.is_current(served):
+            for adapter in self.adapters_of(served.config.name):
+                await self.drop(adapter)
+                self.models.notify(adapter.config.name, ModelState.UNAVAILABLE)
             self.models.unregister(served.config.name)
         self.accounting.num_dropping += 1
         try:
