@@ -79,6 +79,14 @@ class ModelStore:
         self._hf = None
         self._pulls: dict[str, tuple[asyncio.Future, Progress]] = {}
 
+    def place_compile_caches(self) -> dict[str, str]:
+        """torch.compile's caches under this store's cache folder, compile
+        workers bounded (server/load_priority.py); the daemon calls it once
+        at start, before any model loads or worker starts."""
+        from modeld.server.load_priority import place_compile_caches
+
+        return place_compile_caches(self.settings.cache_dir)
+
     @property
     def cache(self) -> BlobCache:
         # made on first use: a daemon that never pulls creates no folder
