@@ -36,6 +36,8 @@ class GatewaySettings:
     hedge_ratio: float = 0.05            # extra requests hedging may add
     hedge_max_fleet_load: float = 4.0    # no hedging while the mean in-flight per node is above this
     hedge_min_delay_s: float = 0.002
+    # routed on the prompt-text guess (prefix.py), never on the daemons' KV events (kv_index.py)
+    prefix_guess_models: tuple[str, ...] = ()
     max_message_bytes: int = 2**31 - 1
     log_level: str = "info"
     log_format: str = "json"

@@ -98,8 +98,9 @@ class Router:
     # -- KV-aware routing ------------------------------------------------------
 
     def kv_models(self) -> set[str]:
-        """Models some node publishes prefix-cache blocks for."""
-        return {m for n in self.fleet.by_name.values() for m in n.kv.models}
+        """Models some node publishes prefix-cache blocks for, but those the
+        settings route on the guess (prefix_guess_models)."""
+        return {m for n in self.fleet.by_name.values() for m in n.kv.models} - set(self.settings.prefix_guess_models)
 
     async def prompt_blocks(self, model: str, *, generate: bytes = b"", model_infer: bytes = b"",
                             metadata=()) -> PromptBlocks | None:
