@@ -160,6 +160,11 @@ class Node:
             self._methods[key] = self.channel.stream_stream(method)
         return self._methods[key]
 
+    async def prompt_blocks(self, request: node_pb2.PromptBlocksRequest, timeout: float) -> node_pb2.PromptBlocksResponse:
+        """Node/PromptBlocks, the gateway's own call (with its token, not the client's)."""
+        return await node_pb2_grpc.NodeStub(self.channel).PromptBlocks(request, timeout=timeout,
+                                                                       metadata=self._probe_metadata)
+
     def _abandon_calls(self, fanouts: bool = False) -> None:
         """Calls waiting on a node that stopped answering would wait as long
         as it stays frozen: cancel them, so each fails over to another node

@@ -16,7 +16,7 @@ import time
 import grpc
 import structlog
 
-from modeld.gen import generation_pb2, node_pb2, node_pb2_grpc
+from modeld.gen import generation_pb2, node_pb2
 from modeld.server.gateway.balance import KvRequest, Pick, place, place_update
 from modeld.server.gateway.breaker import BreakerState
 from modeld.server.gateway.call_options import CallOptions
@@ -102,8 +102,7 @@ class Router:
         settings route on the guess (prefix_guess_models)."""
         return {m for n in self.fleet.by_name.values() for m in n.kv.models} - set(self.settings.prefix_guess_models)
 
-    async def prompt_blocks(self, model: str, *, generate: bytes = b"", model_infer: bytes = b"",
-                            metadata=()) -> PromptBlocks | None:
+    async def prompt_blocks(self, model: str, *, generate: bytes = b"", model_infer: bytes = b"") -> PromptBlocks | None:
         """The prompt's block hashes as the model's caches key them, from a
         node that publishes the model's blocks (the least loaded); None when
         none does or it cannot say in time: the caller routes on its guess."""
@@ -114,8 +113,7 @@ class Router:
         request = node_pb2.PromptBlocksRequest(generate=generate) if generate else \
             node_pb2.PromptBlocksRequest(model_infer=model_infer)
         try:
-            reply = await node_pb2_grpc.NodeStub(node.channel).PromptBlocks(
-                request, timeout=KV_LOOKUP_TIMEOUT_S, metadata=node._probe_metadata)
+            reply = await node.prompt_blocks(request, KV_LOOKUP_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             log.debug("kv_lookup_failed", model=model, node=node.name, reason=f"{exc.code().name}: {exc.details()}")
             return None

@@ -113,3 +113,54 @@ async def test_a_late_stats_answer_moves_routed_calls_but_leaves_fanouts_until_t
     node.breaker.trip()
     await asyncio.sleep(0)
     assert fanout.cancelled()
+
+
+def _publish(node, model: str, hashes) -> None:
+    from modeld.gen import node_pb2
+
+    node.kv.apply(node_pb2.KvEvents(snapshot=True, models=[
+        node_pb2.ModelKvEvents(model=model, block_size=16, stored=list(hashes))]))
+
+
+async def test_a_prompt_goes_where_its_blocks_are_and_the_pick_says_kv(router):
+    from modeld.server.gateway.kv_index import PromptBlocks
+
+    homes = router.fleet.ring.replicas("llm", 2)
+    for name in homes:
+        _publish(router.fleet.by_name[name], "llm", [])
+    _publish(router.fleet.by_name[homes[1]], "llm", [11, 12, 13])
+    prompt = PromptBlocks("llm", 16, (11, 12, 13, 14))
+    picks = {router.place("llm", kv=prompt, key="some text") for _ in range(20)}
+    assert {(node.name, reason) for node, reason in picks} == {(homes[1], "kv")}
+
+
+async def test_with_no_live_kv_stream_the_text_guess_routes(router):
+    from modeld.server.gateway.kv_index import PromptBlocks
+
+    homes = router.fleet.ring.replicas("llm", 2)
+    _publish(router.fleet.by_name[homes[1]], "llm", [11])
+    router.fleet.by_name[homes[1]].kv.clear()  # its stream ended (or sent garbage)
+    router.remember_prompt(homes[0], "x" * 256)
+    node, reason = router.place("llm", kv=PromptBlocks("llm", 16, (11,)), key="x" * 256)
+    assert (node.name, reason) == (homes[0], "prefix")
+
+
+async def test_a_route_counts_its_prompt_blocks_active_until_it_finishes(router):
+    from modeld.server.gateway.call_options import CallOptions
+    from modeld.server.gateway.kv_index import PromptBlocks
+
+    class _Context:
+        def invocation_metadata(self):
+            return ()
+
+        def time_remaining(self):
+            return None
+
+    homes = router.fleet.ring.replicas("llm", 2)
+    for name in homes:
+        _publish(router.fleet.by_name[name], "llm", [])
+    route = router.route("/modeld.v1.Generation/Generate", "llm", CallOptions(_Context()),
+                         kv=PromptBlocks("llm", 16, (1, 2, 3)))
+    assert route.node.kv_active_blocks == 3
+    route.finish()
+    assert route.node.kv_active_blocks == 0
