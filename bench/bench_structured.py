@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -37,6 +38,10 @@ MODELS = ROOT / "models"
 RESULTS = ROOT / "bench/results"
 NEW_TOKENS = 128
 STREAMS = 8
+# One side of one round (8 x 128 tokens) takes seconds on an idle machine and
+# minutes on a loaded one; past this it is stuck, and the run says where
+# rather than waiting for make's or the caller's timeout.
+PHASE_TIMEOUT_S = 900
 LLAMA_SERVER = ROOT / "var/peers/llama.cpp/bin/llama-server"
 
 LONG = {  # shortest valid output ~200 tokens: every stream runs to max_tokens
@@ -92,11 +97,22 @@ async def one(model, prompt: str, constraint) -> int:
     return 0
 
 
-async def streams(model, constraint) -> float:
+def progress(message: str) -> None:
+    """A line per phase on stderr, so a slow or stuck run shows where it is."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+async def streams(model, constraint, phase: str) -> float:
     started = time.perf_counter()
-    counts = await asyncio.gather(*(one(model, p, constraint) for p in PROMPTS))
+    runs = asyncio.gather(*(one(model, p, constraint) for p in PROMPTS))
+    try:
+        counts = await asyncio.wait_for(runs, PHASE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise RuntimeError(f"{phase}: 8 streams did not finish in {PHASE_TIMEOUT_S} s; see where it waits with "
+                           f".venv/bin/py-spy dump --pid {os.getpid()}") from None
     elapsed = time.perf_counter() - started
     assert all(c == NEW_TOKENS for c in counts), counts
+    progress(f"{phase}: {sum(counts) / elapsed:.1f} tok/s")
     return sum(counts) / elapsed
 
 
@@ -115,7 +131,7 @@ class Peer:
 
         body = {"prompt": prompt, "n_predict": NEW_TOKENS, "temperature": 0.0, "json_schema": schema,
                 "cache_prompt": False}
-        reply = requests.post(f"{self.server.url}/completion", json=body, timeout=600)
+        reply = requests.post(f"{self.server.url}/completion", json=body, timeout=PHASE_TIMEOUT_S)
         reply.raise_for_status()
         return int(reply.json()["tokens_predicted"])
 
@@ -127,6 +143,7 @@ class Peer:
             counts = list(pool.map(lambda p: self.one(p, schema), PROMPTS))
         elapsed = time.perf_counter() - started
         assert all(c == NEW_TOKENS for c in counts), counts
+        progress(f"llama-server json_schema: {sum(counts) / elapsed:.1f} tok/s")
         return sum(counts) / elapsed
 
     def stop(self) -> None:
@@ -140,16 +157,16 @@ async def run_backend(model, rounds: int, peer: Peer | None = None) -> dict:
     schema = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(LONG))
     await model.start()
     try:
-        await streams(model, None)  # warm: first-step costs out of the figures
-        await streams(model, schema)
+        await streams(model, None, "warm-up unconstrained")  # first-step costs out of the figures
+        await streams(model, schema, "warm-up json_schema")
         plain, held, peer_held = [], [], []
         stats = model.loop.constraints.stats
         mask_s0, steps0, rows0 = stats.mask_s, stats.steps, stats.rows
         if peer is not None:
             await asyncio.to_thread(peer.streams, LONG)  # its warm-up
         for _ in range(rounds):  # interleaved: each round runs every side
-            plain.append(await streams(model, None))
-            held.append(await streams(model, schema))
+            plain.append(await streams(model, None, "unconstrained"))
+            held.append(await streams(model, schema, "json_schema"))
             if peer is not None:
                 peer_held.append(await asyncio.to_thread(peer.streams, LONG))
         mask_steps = stats.steps - steps0
@@ -175,7 +192,8 @@ async def run_backend(model, rounds: int, peer: Peer | None = None) -> dict:
     peer_figures = {}
     if peer_held:
         peer_figures = {"llama_server_json_schema_tok_s": [round(x, 1) for x in peer_held],
-                        "ratio_vs_llama_server": round(statistics.median(held) / statistics.median(peer_held), 3)}
+                        "ratio_vs_llama_server": round(statistics.median(held) / statistics.median(peer_held), 3),
+                        "round_ratios_vs_llama_server": [round(h / p, 3) for h, p in zip(held, peer_held)]}
     return {
         **peer_figures,
         "unconstrained_tok_s": [round(x, 1) for x in plain],
@@ -183,6 +201,9 @@ async def run_backend(model, rounds: int, peer: Peer | None = None) -> dict:
         "median_unconstrained_tok_s": round(statistics.median(plain), 1),
         "median_json_schema_tok_s": round(statistics.median(held), 1),
         "ratio": round(statistics.median(held) / statistics.median(plain), 3),
+        # each round's own constrained / unconstrained: the two sides of a round share the machine's load
+        "round_ratios": [round(h / p, 3) for h, p in zip(held, plain)],
+        "median_round_ratio": round(statistics.median(h / p for h, p in zip(held, plain)), 3),
         "mask_ms_per_step": round(mask_ms, 3),
         "constrained_rows_per_step": round(rows_per_step, 2),
         "compile_30_properties_cold_ms": round(cold_ms, 2),
@@ -198,9 +219,14 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="torch without torch.compile (faster to start)")
     args = parser.parse_args()
     out = {"streams": STREAMS, "new_tokens": NEW_TOKENS, "rounds": args.rounds,
-           "schema": "object with an array of >= 64 {n: integer, ok: boolean} objects", "backends": {}}
+           "schema": "object with an array of >= 64 {n: integer, ok: boolean} objects", "backends": {},
+           "torch_compiled": not args.eager,
+           # the machine's load (other processes) at the start: the ratios are from interleaved rounds, the
+           # absolute tok/s are not comparable between runs on a shared machine
+           "load_average_1m_at_start": round(os.getloadavg()[0], 2)}
     out["llama_server"] = "not run: bench/peers/llama_server.sh (make llama-peer) has not built its binary here"
     for backend in args.backends.split(","):
+        progress(f"{backend}: loading" + (" (eager)" if args.eager and backend == "torch" else ""))
         model = load(backend, args.eager)
         peer = None
         if backend == "llamacpp" and LLAMA_SERVER.exists():
@@ -217,6 +243,7 @@ def main() -> None:
                 peer.stop()
         out["backends"][backend] = result
         print(backend, json.dumps(result), flush=True)
+    out["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "structured.json").write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {RESULTS / 'structured.json'}")
