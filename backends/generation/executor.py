@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Mapping
 
 import numpy as np
 
@@ -29,6 +30,14 @@ class StepExecutor(ABC):
         pass, and return the logits asked for: [sum of num_logits, vocab]
         float32, in plan order."""
 
+    def run_greedy(self, plan: StepPlan) -> np.ndarray:
+        """run(plan), then each logit row's argmax ([rows] int64): for a step
+        whose every row is decoded greedily with nothing applied to its
+        logits (the loop checks). A runtime that can take the argmax where
+        its logits lie overrides this, and [rows, vocab] floats (192 KiB a
+        row for a 49,152-token vocabulary) are never copied out of it."""
+        return self.run(plan).argmax(axis=1)
+
     @abstractmethod
     def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
 
@@ -39,9 +48,12 @@ class StepExecutor(ABC):
     def is_end_of_generation(self, token_id: int) -> bool: ...
 
     @abstractmethod
-    def apply_chat_template(self, messages: tuple[ChatMessage, ...], tools: tuple[ToolSpec, ...] = ()) -> str:
+    def apply_chat_template(self, messages: tuple[ChatMessage, ...], tools: tuple[ToolSpec, ...] = (),
+                            template_kwargs: Mapping[str, object] | None = None) -> str:
         """The prompt the model's chat template makes of these messages and
-        function definitions (backends/generation/chat_template.py)."""
+        function definitions (backends/generation/chat_template.py), with
+        template_kwargs (OpenAI's chat_template_kwargs) as extra template
+        variables; the loop passes them only when a request has some."""
 
     def special_token_bytes(self, token_id: int) -> bytes:
         """A token's bytes with special tokens spelled out (`<|im_end|>`), for

@@ -138,8 +138,12 @@ class GenerationLoop:
         if request.token_ids:
             return self.runner.check_token_ids(request.token_ids)
         if request.messages:
-            return self.runner.tokenize(self.runner.apply_chat_template(request.messages, request.tools),
-                                        add_special=False)
+            if request.chat_template_kwargs:
+                text = self.runner.apply_chat_template(request.messages, request.tools,
+                                                       dict(request.chat_template_kwargs))
+            else:  # runners that take no template arguments still serve every other request
+                text = self.runner.apply_chat_template(request.messages, request.tools)
+            return self.runner.tokenize(text, add_special=False)
         return self.runner.tokenize(request.prompt)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinalEvent]:
@@ -155,7 +159,8 @@ class GenerationLoop:
         seq = Sequence(self.prompt_ids(request), params, priority=request.priority)
         seq.rng = make_rng(params.seed)
         seq.matcher = matcher
-        seq.stream = _Stream(asyncio.Queue(), IncrementalText(params.stop, params.include_stop_str_in_output))
+        seq.stream = _Stream(asyncio.Queue(), IncrementalText(params.stop, params.include_stop_str_in_output,
+                                                                     params.min_tokens))
         with self._lock:
             self.scheduler.add(seq)
             self._sequences[seq.seq_id] = seq
@@ -225,12 +230,18 @@ class GenerationLoop:
                 doing = "computing constraint masks"
                 masks = self._start_masks(plan)
                 doing = "running the model"
-                logits = self.runner.run(plan)
-                self._count(plan)
-                doing = "computing constraint masks"
-                masks = masks.result() if masks is not None else {}
-                doing = "sampling"
-                results = self._sample(plan, logits, masks)
+                if masks is None and self._plain_greedy(plan):
+                    tokens = self.runner.run_greedy(plan)
+                    self._count(plan)
+                    doing = "sampling"
+                    results = self._take_greedy(plan, tokens)
+                else:
+                    logits = self.runner.run(plan)
+                    self._count(plan)
+                    doing = "computing constraint masks"
+                    masks = masks.result() if masks is not None else {}
+                    doing = "sampling"
+                    results = self._sample(plan, logits, masks)
         except Exception as exc:  # a runtime fault: fail the sequences in it, keep serving
             log.exception("generation_step_failed", stage=doing)
             failed = SeqResult(finish_reason=FinishReason.ERROR, error_kind=ErrorKind.UNAVAILABLE,
@@ -301,6 +312,45 @@ class GenerationLoop:
         masks = masks or {}
         for seq, work, rows in live:
             results[work.seq_id] = self._result(seq, work, rows, masks.get(seq.seq_id))
+        return results
+
+    def _plain_greedy(self, plan: StepPlan) -> bool:
+        """Whether every row of the step is decoded greedily with nothing
+        applied to its logits and no log-probabilities asked: then only each
+        row's argmax is needed, taken in the runtime (run_greedy)."""
+        for work in plan.work:
+            if not work.num_logits:
+                continue
+            seq = self._sequences.get(work.seq_id)
+            if seq is None or seq.is_cancelled:
+                continue
+            params = seq.params
+            if (not params.is_greedy or params.logprobs or seq.matcher is not None
+                    or needs_adjusting(params, seq.num_output)):
+                return False
+        return True
+
+    def _take_greedy(self, plan: StepPlan, argmax: np.ndarray) -> dict[int, SeqResult]:
+        """_sample for a plain greedy step, from each row's argmax: drafts
+        are accepted while they equal it (as _verify does), then one token."""
+        results: dict[int, SeqResult] = {}
+        picked = argmax.tolist()
+        row = 0
+        for work in plan.work:
+            first, row = row, row + work.num_logits
+            if not work.num_logits:
+                continue
+            seq = self._sequences.get(work.seq_id)
+            if seq is None or seq.is_cancelled:
+                continue
+            drafts = _drafts(work)
+            tokens = picked[first:first + len(drafts) + 1]
+            accepted = 0
+            while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
+                accepted += 1
+            tokens = tokens[:accepted + 1]
+            taken, reason = self._emit(seq, tokens, None)
+            results[work.seq_id] = SeqResult(tuple(taken), accepted, reason)
         return results
 
     def _start_masks(self, plan: StepPlan):
@@ -393,7 +443,7 @@ class GenerationLoop:
         last = sample_rows(rows[len(drafts):len(drafts) + 1], [params], [seq.rng])
         return len(drafts), drafts + [int(last[0])], rows
 
-    def _emit(self, seq: Sequence, tokens: list[int], rows: np.ndarray,
+    def _emit(self, seq: Sequence, tokens: list[int], rows: np.ndarray | None,
               grammar_done: bool = False) -> tuple[list[int], FinishReason | None]:
         """Send the tokens the sequence keeps (up to a stop) and their text;
         returns them with the reason it ends, if it does (grammar_done: its

@@ -60,6 +60,9 @@ class LlamaExecutor(StepExecutor):
     def run(self, plan: StepPlan[SlotWork]):
         return self.context.run(plan)
 
+    def run_greedy(self, plan: StepPlan[SlotWork]):
+        return self.context.run(plan, argmax_only=True)
+
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.model.tokenize(text, add_special)
 
@@ -78,8 +81,9 @@ class LlamaExecutor(StepExecutor):
     def constraint_tokenizer(self):
         return self.model.constraint_tokenizer()
 
-    def apply_chat_template(self, messages: tuple[ChatMessage, ...], tools: tuple[ToolSpec, ...] = ()) -> str:
-        return render_chat(self.chat_template, messages, tools)
+    def apply_chat_template(self, messages: tuple[ChatMessage, ...], tools: tuple[ToolSpec, ...] = (),
+                            template_kwargs=None) -> str:
+        return render_chat(self.chat_template, messages, tools, template_kwargs)
 
 
 class LlamaGenerativeModel(GenerativeModel):

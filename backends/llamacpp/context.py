@@ -9,6 +9,7 @@ why the batch, decode and memory calls are used directly.
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,16 @@ from modeld.backends.generation.slots import KvOpKind
 
 
 def _llama():
+    # ggml runs each llama_decode as one OpenMP parallel region (libgomp).
+    # Between regions libgomp's threads spin by default (GOMP_SPINCOUNT, about
+    # 300,000 turns) waiting for the next one: while Python samples, sends
+    # events and encodes them between steps, the spinning team holds the
+    # cores that work needs, and under a benchmark harness on two cores the
+    # decode fell to 15 tok/s from 116. PASSIVE: they sleep on a futex the
+    # moment a region ends (waking them costs microseconds a step). libgomp
+    # reads it once, when it is loaded by this import; a value the user set
+    # (OMP_WAIT_POLICY=ACTIVE for a dedicated machine) is kept.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import llama_cpp
 
     return llama_cpp
@@ -182,8 +193,10 @@ class LlamaContext:
                 llama.llama_memory_seq_cp(self.memory, op.src, op.slot, -1, -1)
                 llama.llama_memory_seq_rm(self.memory, op.slot, op.pos, -1)
 
-    def decode(self, items: list[tuple[int, int, int, bool]]) -> np.ndarray:
-        """items: (token, position, slot, wants_logits) -> [num_logits, vocab], in items' order."""
+    def decode(self, items: list[tuple[int, int, int, bool]], argmax_only: bool = False) -> np.ndarray:
+        """items: (token, position, slot, wants_logits) -> [num_logits, vocab]
+        in items' order; argmax_only: each such row's argmax [num_logits]
+        instead, taken in llama.cpp's own logits buffer (nothing copied)."""
         # With a KV stream per slot, llama.cpp splits a batch into one
         # forward pass per run of consecutive seq ids in batch order: slots
         # fed as 6, 7, 0..5 ran as two passes, each reading every weight.
@@ -191,13 +204,14 @@ class LlamaContext:
         order = sorted(range(len(items)), key=lambda i: items[i][2])  # stable: a slot's positions stay in order
         if any(i != j for j, i in enumerate(order)):
             wanted = [i for i in order if items[i][3]]
-            logits = self._decode([items[i] for i in order])
+            logits = self._decode([items[i] for i in order], argmax_only)
             return logits[np.argsort(wanted, kind="stable")] if len(wanted) > 1 else logits
-        return self._decode(items)
+        return self._decode(items, argmax_only)
 
-    def _decode(self, items: list[tuple[int, int, int, bool]]) -> np.ndarray:
+    def _decode(self, items: list[tuple[int, int, int, bool]], argmax_only: bool = False) -> np.ndarray:
         llama = _llama()
         outputs = []
+        vocab = self.model.vocab_size
         for start in range(0, len(items), self.n_batch):
             chunk = items[start:start + self.n_batch]
             batch = self.batch
@@ -210,20 +224,25 @@ class LlamaContext:
                 raise BackendFailure(f"llama_decode failed with code {code} (KV cache full or invalid batch)")
             num_out = sum(1 for item in chunk if item[3])
             if num_out:
-                pointer = llama.llama_get_logits(self.ctx)
-                outputs.append(np.ctypeslib.as_array(pointer, shape=(num_out, self.model.vocab_size)).copy())
+                rows = np.ctypeslib.as_array(llama.llama_get_logits(self.ctx), shape=(num_out, vocab))
+                # the buffer is llama.cpp's and the next decode overwrites it
+                outputs.append(rows.argmax(axis=1) if argmax_only else rows.copy())
         if not outputs:
-            return np.zeros((0, self.model.vocab_size), dtype=np.float32)
+            return np.zeros(0, dtype=np.int64) if argmax_only else np.zeros((0, vocab), dtype=np.float32)
         return np.concatenate(outputs) if len(outputs) > 1 else outputs[0]
 
-    def run(self, plan: StepPlan[SlotWork]) -> np.ndarray:
+    def run(self, plan: StepPlan[SlotWork], argmax_only: bool = False) -> np.ndarray:
+        """plan's KV ops, then its work in one batch: the logit rows it asks
+        for ([rows, vocab]), or with argmax_only their argmax ([rows])."""
         self.apply_kv_ops(plan.kv_ops)
         items = []
         for work in plan.work:
             first_logit = len(work.token_ids) - work.num_logits
             for i, token in enumerate(work.token_ids):
                 items.append((token, work.start_pos + i, work.slot, i >= first_logit))
-        return self.decode(items) if items else np.zeros((0, self.model.vocab_size), dtype=np.float32)
+        if items:
+            return self.decode(items, argmax_only)
+        return np.zeros(0, dtype=np.int64) if argmax_only else np.zeros((0, self.model.vocab_size), dtype=np.float32)
 
     def close(self) -> None:
         llama = _llama()

@@ -31,7 +31,7 @@ class LlamaDraft(DraftModel):
     def _decode(self, feeds: list[tuple[Sequence, int, list[int]]]) -> list[int]:
         items = [(token, start + i, seq.slot, i == len(tokens) - 1)
                  for seq, start, tokens in feeds for i, token in enumerate(tokens)]
-        return self.context.decode(items).argmax(axis=1).tolist()
+        return self.context.decode(items, argmax_only=True).tolist()
 
     def _forget(self, seq: Sequence) -> None:
         """Nothing now: the next occupant of the slot clears its cells."""

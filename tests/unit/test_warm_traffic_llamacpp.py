@@ -92,9 +92,9 @@ def _burst(monkeypatch, warm: bool, new_tokens: int = 12):
     steps: list[tuple[int, int]] = []  # (sequences decoding one token, forward passes)
     run = model.context.run
 
-    def counted(plan):
+    def counted(plan, **how):  # how: argmax_only, for plain greedy steps
         before = counter.passes
-        logits = run(plan)
+        logits = run(plan, **how)
         steps.append((sum(1 for w in plan.work if len(w.token_ids) == 1), counter.passes - before))
         return logits
 
@@ -135,9 +135,9 @@ def test_a_cached_prefix_away_from_the_running_block_is_copied_next_to_it_and_ma
     ops = []
     run = model.context.run
 
-    def recorded(plan):
+    def recorded(plan, **how):
         ops.extend(plan.kv_ops)
-        return run(plan)
+        return run(plan, **how)
 
     model.context.run = recorded
     shared = "You are a careful assistant who answers briefly. " * 4
@@ -189,7 +189,7 @@ def _prompt_steps(monkeypatch, max_prefill_tokens: int) -> tuple[list[list[int]]
     steps = []
     run = model.context.run
 
-    def recorded(plan):
+    def recorded(plan, **how):
         running = {seq.seq_id: seq for seq in model.scheduler.running}
         prompt = chunks = 0
         for w in plan.work:
@@ -198,7 +198,7 @@ def _prompt_steps(monkeypatch, max_prefill_tokens: int) -> tuple[list[list[int]]
             prompt += n
             chunks += n if seq.is_prefilling else 0
         steps.append((prompt, chunks))
-        return run(plan)
+        return run(plan, **how)
 
     model.context.run = recorded
 

@@ -1,0 +1,415 @@
+"""Issue 30: CPU per generated token of modeld's own Python threads, apart
+from llama.cpp's compute threads, and the per-token path's cost with a
+zero-cost model.
+
+Two parts (both by default; `--only unit` or `--only daemon`):
+
+  unit    the shared GenerationLoop over the llama.cpp SlotScheduler with a
+          model that costs nothing (a StepExecutor whose run returns
+          preallocated zero logits over SmolLM2's 49,152-token vocabulary):
+          wall microseconds per step and per token at 1, 16 and 32
+          sequences, greedy, streams consumed on the event loop. What is
+          left is the loop's own work per token: scheduling, sampling,
+          detokenising, events.
+  daemon  a real `modeld serve` with SmolLM2 (llama.cpp, in its worker
+          process) and N concurrent OpenAI chat streams (1, 8, 32;
+          ignore_eos, greedy, --tokens each). Each thread's CPU comes from
+          /proc/<pid>/task/<tid>/stat before and after, by process (daemon,
+          worker) and thread: Python threads (named by `py-spy dump`),
+          native helper threads (gRPC's), and the worker's compute threads
+          (llama.cpp's OpenMP team, excluded from the Python figure). The
+          worker's step thread is also OpenMP's first compute thread, so
+          its CPU is split by a py-spy profile of a second run of the same
+          phase: the share of its busy samples inside llama_decode is
+          compute, the rest Python. That profile (every Python thread of
+          both processes, by function) is where the Python time goes.
+
+    .venv/bin/python bench/bench_token_cpu.py [--only unit|daemon] [--streams 1,8,32] [--tokens 64]
+
+Writes bench/results/token_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+from racing import machine, settle  # noqa: E402
+
+RESULTS = ROOT / "bench/results"
+PY_SPY = Path(sys.executable).parent / "py-spy"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+SMOLLM2_VOCAB = 49152
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.", "Explain how a bicycle gear works.",
+    "List ten uses for a paperclip.", "Describe the water cycle to a child.",
+    "What makes a good cup of coffee?", "Summarise the history of the printing press.",
+    "Give advice to a new gardener.", "Why is the sky blue?",
+]
+
+
+# -- unit: the loop with a zero-cost model -----------------------------------------------
+
+def unit_bench(sequences: int, tokens: int, repeats: int = 3) -> dict:
+    """Wall time per step of the generation loop over `sequences` greedy
+    streams of `tokens` tokens each, with a model that costs nothing."""
+    import numpy as np
+
+    from modeld.backends.generation.executor import StepExecutor
+    from modeld.backends.generation.loop import GenerationLoop
+    from modeld.backends.generation.params import FinalEvent, GenerateRequest, SamplingParams
+    from modeld.backends.generation.slot_scheduler import SlotConfig, SlotScheduler
+
+    class ZeroCostRunner(StepExecutor):
+        vocab_size = SMOLLM2_VOCAB
+
+        def __init__(self) -> None:
+            self.logits = np.zeros((512, SMOLLM2_VOCAB), dtype=np.float32)
+            self.logits[:, 1] = 1.0  # every row's argmax: token 1, never an end of generation
+
+        def run(self, plan):
+            return self.logits[:sum(w.num_logits for w in plan.work)]
+
+        def tokenize(self, text, add_special=True):
+            return [2 + ord(c) % 100 for c in text]
+
+        def token_bytes(self, token_id):
+            return b"ab"
+
+        def is_end_of_generation(self, token_id):
+            return False
+
+        def apply_chat_template(self, messages, tools=(), template_kwargs=None):
+            raise NotImplementedError
+
+    async def consume(loop, i):
+        request = GenerateRequest("m", token_ids=tuple(range(2, 18 + i % 7)),
+                                  params=SamplingParams(max_tokens=tokens, temperature=0.0))
+        count = 0
+        async for event in loop.generate(request):
+            if isinstance(event, FinalEvent):
+                return count
+            count += len(event.token_ids)
+
+    async def once() -> tuple[float, int, int, float]:
+        scheduler = SlotScheduler(SlotConfig(num_slots=sequences, kv_capacity=sequences * 1024, context_length=1024))
+        loop = GenerationLoop(runner=ZeroCostRunner(), scheduler=scheduler)
+        loop.start()
+        try:
+            cpu, start = time.process_time(), time.perf_counter()
+            counts = await asyncio.gather(*(consume(loop, i) for i in range(sequences)))
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        finally:
+            await loop.stop()
+        return wall, loop.step_counts.steps, sum(counts), cpu
+
+    runs = [asyncio.run(once()) for _ in range(repeats)]
+    best = min(runs)  # the least disturbed run: this machine is shared
+    wall, steps, count, cpu = best
+    return {"sequences": sequences, "tokens_per_sequence": tokens, "steps": steps, "tokens": count,
+            "us_per_step": wall / steps * 1e6, "us_per_token": wall / count * 1e6,
+            "cpu_us_per_token": cpu / count * 1e6,
+            "us_per_step_runs": [r[0] / r[1] * 1e6 for r in runs]}
+
+
+# -- daemon: thread CPU per token ------------------------------------------------------
+
+def tree_pids(pid: int) -> list[int]:
+    import psutil
+
+    root = psutil.Process(pid)
+    return [root.pid] + [c.pid for c in root.children(recursive=True)]
+
+
+def thread_cpu(pids: list[int]) -> dict[tuple[int, int], float]:
+    """(pid, tid) -> user + system CPU seconds of every thread of pids."""
+    out = {}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            continue
+        for tid in tids:
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+            out[(pid, int(tid))] = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
+
+
+def thread_comm(pid: int, tid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    except FileNotFoundError:
+        return "?"
+
+
+def python_threads(pid: int) -> dict[int, str]:
+    """Native thread id -> Python thread name, from py-spy's dump."""
+    out = subprocess.run([str(PY_SPY), "dump", "--pid", str(pid), "--json", "--nonblocking"],
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError(f"py-spy dump failed: {out.stderr.strip()}")
+    return {t["os_thread_id"]: t.get("thread_name") or "?" for t in json.loads(out.stdout) if t.get("os_thread_id")}
+
+
+class Daemon:
+    """modeld serve with smollm2 loaded (in its worker process)."""
+
+    def __init__(self) -> None:
+        from daemon import start_daemon
+
+        self.daemon = start_daemon("--metrics-port", "-1", "--no-preload", repository=ROOT / "models")
+        import tritonclient.grpc as tc
+
+        client = tc.InferenceServerClient(self.daemon.address)
+        client.load_model("smollm2")
+        client.close()
+        self.pid = self.daemon.proc.pid
+        workers = tree_pids(self.pid)[1:]
+        if len(workers) != 1:
+            raise RuntimeError(f"expected one worker process for smollm2, found {len(workers)}")
+        self.worker = workers[0]
+
+    def stop(self) -> None:
+        self.daemon.stop()
+
+
+async def chat_stream(session, url: str, prompt: str, tokens: int) -> int:
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
+            "temperature": 0.0, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    used = 0
+    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.content:
+            if line.startswith(b"data: {"):
+                usage = json.loads(line[6:]).get("usage")
+                if usage:
+                    used = usage["completion_tokens"]
+    return used
+
+
+async def streams(url: str, n: int, tokens: int) -> tuple[int, float]:
+    # aiohttp, not httpx: the client shares the two cores, and httpx costs more CPU per chunk
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=n + 4)) as session:
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(chat_stream(session, url, PROMPTS[i % len(PROMPTS)], tokens)
+                                        for i in range(n)))
+        return sum(counts), time.perf_counter() - start
+
+
+def classify(node: Daemon, names: dict[int, dict[int, str]], key: tuple[int, int]) -> tuple[str, str]:
+    """(group, thread label) of one thread: group is daemon-python,
+    daemon-native, worker-python, worker-step or worker-compute."""
+    pid, tid = key
+    proc = "daemon" if pid == node.pid else "worker"
+    py = names.get(pid, {}).get(tid)
+    if py is None:
+        return f"{proc}-{'native' if proc == 'daemon' else 'compute'}", thread_comm(pid, tid)
+    if proc == "worker" and py.startswith("modeld-compute"):
+        return "worker-step", py
+    return f"{proc}-python", py
+
+
+def measure_phase(node: Daemon, n: int, tokens: int) -> dict:
+    pids = [node.pid, node.worker]
+    settle(pids)
+    before = thread_cpu(pids)
+    count, wall = asyncio.run(streams(node.daemon.http_url, n, tokens))
+    after = thread_cpu(pids)
+    names = {pid: python_threads(pid) for pid in pids}
+    groups: dict[str, float] = collections.defaultdict(float)
+    threads: dict[str, float] = collections.defaultdict(float)
+    for key, end in after.items():
+        spent = end - before.get(key, 0.0)
+        group, label = classify(node, names, key)
+        groups[group] += spent
+        threads[f"{group}:{label}"] += spent
+    per_token = {g: v * 1e3 / count for g, v in groups.items()}
+    return {"streams": n, "tokens": count, "wall_s": wall, "tok_s": count / wall,
+            "cpu_ms_per_token": dict(sorted(per_token.items())),
+            "threads_cpu_ms_per_token": {k: round(v * 1e3 / count, 4) for k, v in sorted(threads.items())
+                                         if v * 1e3 / count >= 0.005}}
+
+
+def profile_phase(node: Daemon, n: int, tokens: int, rate: int = 100) -> dict:
+    """The same phase under py-spy (both processes): busy samples by
+    thread and by function; the step thread's share inside llama_decode."""
+    pids = [node.pid, node.worker]
+    settle(pids)
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for pid in pids:
+            out = Path(tmp) / f"{pid}.txt"
+            procs.append((pid, out, subprocess.Popen(
+                [str(PY_SPY), "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw", "--threads",
+                 "--nonblocking", "--output", str(out)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+        time.sleep(1.0)  # py-spy attaches
+        count, _ = asyncio.run(streams(node.daemon.http_url, n, tokens))
+        stacks: dict[int, list[tuple[list[str], int]]] = {}
+        for pid, out, proc in procs:
+            proc.send_signal(2)  # SIGINT: py-spy writes its file and exits
+            proc.wait(60)
+            stacks[pid] = _read_raw(out)
+    return summarise_profile(node, stacks, count)
+
+
+def _read_raw(path: Path) -> list[tuple[list[str], int]]:
+    """py-spy's raw (collapsed) format: `frame;frame;... count` per line, root first."""
+    rows = []
+    if not path.exists():
+        return rows
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            rows.append((stack.split(";"), int(count)))
+    return rows
+
+
+def _short(frame: str) -> str:
+    """`fn (path/to/modeld/x/y.py:12)` -> `fn (x/y.py)`."""
+    name, _, where = frame.partition(" (")
+    where = where.rstrip(")").rsplit(":", 1)[0]
+    for marker in ("/modeld/", "/site-packages/", "/lib/python3"):
+        if marker in where:
+            where = where.split(marker, 1)[1]
+            break
+    return f"{name} ({where})" if where else name
+
+
+_OURS = ("backends/", "server/", "gen/", "clients/", "modeld/", str(ROOT) + "/")
+
+
+def _is_modeld(frame: str) -> bool:
+    """A frame of modeld's own code (py-spy names files relative to sys.path)."""
+    where = frame.partition(" (")[2]
+    return where.startswith(_OURS) and "/site-packages/" not in where
+
+
+def summarise_profile(node: Daemon, stacks: dict[int, list[tuple[list[str], int]]], tokens: int) -> dict:
+    out: dict = {"tokens": tokens, "processes": {}}
+    for pid, rows in stacks.items():
+        proc = "daemon" if pid == node.pid else "worker"
+        by_thread: dict[str, int] = collections.defaultdict(int)
+        leaf: dict[str, int] = collections.defaultdict(int)
+        own: dict[str, int] = collections.defaultdict(int)
+        step_leaf: dict[str, int] = collections.defaultdict(int)
+        decode = step = 0
+        for frames, count in rows:
+            thread = frames[0]
+            by_thread[thread] += count
+            body = frames[1:]
+            if not body:
+                continue
+            if "modeld-compute" in thread:
+                step += count
+                if any(f.startswith(("llama_decode ", "_decode (")) or "llama_decode" in f for f in body[-2:]):
+                    decode += count
+            leaf[_short(body[-1])] += count
+            if "modeld-compute" in thread:
+                step_leaf[_short(body[-1])] += count
+            # the innermost modeld frame: which of our functions the time is under
+            mine = next((f for f in reversed(body) if _is_modeld(f)), None)
+            if mine is not None:
+                own[_short(mine)] += count
+        total = sum(by_thread.values()) or 1
+        out["processes"][proc] = {
+            "samples": total,
+            "by_thread": dict(sorted(by_thread.items(), key=lambda kv: -kv[1])),
+            "top_leaf_functions": dict(sorted(leaf.items(), key=lambda kv: -kv[1])[:25]),
+            "top_modeld_functions": dict(sorted(own.items(), key=lambda kv: -kv[1])[:25]),
+        }
+        if proc == "worker":
+            out["step_thread_decode_share"] = decode / step if step else None
+            out["step_thread_top_leaves"] = dict(sorted(step_leaf.items(), key=lambda kv: -kv[1])[:12])
+    return out
+
+
+def daemon_bench(stream_counts: list[int], tokens: int, rounds: int, profile: bool) -> dict:
+    node = Daemon()
+    try:
+        asyncio.run(streams(node.daemon.http_url, 2, 8))  # warm up: first prompt, first compile
+        phases = []
+        for r in range(rounds):
+            for n in (stream_counts if r % 2 == 0 else list(reversed(stream_counts))):
+                phase = measure_phase(node, n, tokens)
+                phase["round"] = r
+                phases.append(phase)
+                print(f"round {r}, {n} streams: {phase['tok_s']:.1f} tok/s, CPU ms/token "
+                      + ", ".join(f"{g} {v:.2f}" for g, v in phase["cpu_ms_per_token"].items()), flush=True)
+        profiles = {}
+        if profile:
+            for n in stream_counts:
+                profiles[n] = profile_phase(node, n, tokens)
+                print(f"profile at {n} streams: step thread in llama_decode "
+                      f"{profiles[n]['step_thread_decode_share']}", flush=True)
+    finally:
+        node.stop()
+    summary = {}
+    for n in stream_counts:
+        got = [p for p in phases if p["streams"] == n]
+        groups = sorted({g for p in got for g in p["cpu_ms_per_token"]})
+        med = {g: statistics.median(p["cpu_ms_per_token"].get(g, 0.0) for p in got) for g in groups}
+        share = profiles.get(n, {}).get("step_thread_decode_share")
+        step = med.get("worker-step", 0.0)
+        python = med.get("daemon-python", 0.0) + med.get("worker-python", 0.0)
+        row = {"tok_s": statistics.median(p["tok_s"] for p in got), "cpu_ms_per_token": med,
+               "python_ms_per_token_without_step_thread": python}
+        if share is not None:
+            row["step_thread_python_ms_per_token"] = step * (1 - share)
+            row["python_ms_per_token"] = python + step * (1 - share)
+        summary[n] = row
+    return {"phases": phases, "profiles": profiles, "summary": summary}
+
+
+def main() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", choices=["unit", "daemon"])
+    parser.add_argument("--streams", default="1,8,32")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--output", default=str(RESULTS / "token_cpu.json"))
+    args = parser.parse_args()
+    record: dict = {"command": "python bench/bench_token_cpu.py " + " ".join(sys.argv[1:]), "machine": machine()}
+    path = Path(args.output)
+    if path.exists():  # a part run alone keeps the other's figures
+        record = {**json.loads(path.read_text()), **record}
+    if args.only in (None, "unit"):
+        record["unit"] = [unit_bench(n, 128) for n in (1, 16, 32)]
+        for row in record["unit"]:
+            print(f"zero-cost model, {row['sequences']} sequences: {row['us_per_step']:.0f} us/step, "
+                  f"{row['us_per_token']:.1f} us/token", flush=True)
+    if args.only in (None, "daemon"):
+        counts = [int(n) for n in args.streams.split(",")]
+        record["daemon"] = daemon_bench(counts, args.tokens, args.rounds, not args.no_profile)
+        for n, row in record["daemon"]["summary"].items():
+            print(f"{n} streams: {row['tok_s']:.1f} tok/s; Python ms/token "
+                  f"{row.get('python_ms_per_token', row['python_ms_per_token_without_step_thread']):.3f}; "
+                  + ", ".join(f"{g} {v:.2f}" for g, v in row["cpu_ms_per_token"].items()), flush=True)
+    record["load_average_after"] = list(os.getloadavg())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
