@@ -135,7 +135,6 @@ class ModelStore:
             self.metrics.pulls.labels(uri.scheme, "failed").inc()
             raise
         check_loadable(listing)
-        before = progress.done
         self.metrics.pulls_in_progress.inc()
         try:
             folder, entry = cache.pull(listing, progress)
@@ -145,12 +144,14 @@ class ModelStore:
         finally:
             self.metrics.pulls_in_progress.dec()
             self.metrics.cache_bytes.set(cache.used_bytes())
-        fetched = max(0, progress.done - before)
+        fetched = max(0, progress.done - progress.cached)
         self.metrics.pull_bytes.labels(uri.scheme).inc(fetched)
-        self.metrics.pulls.labels(uri.scheme, "pulled").inc()
+        # every file already on disk: the disk tier answered (the store was asked only for the listing)
+        outcome = "cached" if fetched == 0 and progress.total > 0 else "pulled"
+        self.metrics.pulls.labels(uri.scheme, outcome).inc()
         self.metrics.pull_seconds.labels(uri.scheme).observe(time.monotonic() - started)
         log.info("store_pulled", uri=text, identity=entry.identity, folder_id=entry.id, total_bytes=progress.total,
-                 seconds=round(time.monotonic() - started, 3))
+                 fetched_bytes=fetched, outcome=outcome, seconds=round(time.monotonic() - started, 3))
         return self._pulled(text, folder, entry)
 
     def _pulled(self, text: str, folder: Path, entry: Entry) -> PulledModel:

@@ -83,6 +83,7 @@ class Listing:
 class Progress:
     done: int = 0
     total: int = 0
+    cached: int = 0  # of `done`, the bytes the cache already held (the disk tier's share)
 
 
 @dataclass
@@ -305,7 +306,8 @@ class BlobCache:
         with self._lock:
             entry = self._entries.get(entry_id)
             if entry is not None:
-                progress.done = progress.total = sum(self._blob(d).stat().st_size for d in entry.files.values())
+                progress.done = progress.total = progress.cached = sum(self._blob(d).stat().st_size
+                                                                       for d in entry.files.values())
                 return self.touch(entry), entry
             missing = [f for f in listing.files if not (f.digest and self._blob(f.digest).is_file())]
             need = sum(f.size or 0 for f in missing)
@@ -316,7 +318,7 @@ class BlobCache:
                 if f.digest:
                     self._pinned[f.digest] = self._pinned.get(f.digest, 0) + 1
         progress.total = sum(f.size or 0 for f in listing.files)
-        progress.done = progress.total - need
+        progress.done = progress.cached = progress.total - need
         digests: dict[str, str] = {}
         pins: list[str] = []  # files without a listed digest, pinned as they land in blobs/
         try:
