@@ -15,12 +15,12 @@ import asyncio
 from dataclasses import dataclass
 
 import grpc
-import httpx
 import structlog
 
 from modeld.server.gateway.config import GatewaySettings
 from modeld.server.gateway.failure import CallFailed
 from modeld.server.gateway.hedge import race
+from modeld.server.gateway.http.client import NodePool, NodeResponse
 from modeld.server.gateway.http.options import HttpCallOptions
 from modeld.server.gateway.http.pools import NodePools
 from modeld.server.gateway.metrics import GatewayMetrics
@@ -105,18 +105,17 @@ class Stream:
 
     node: Node
     visit: object
-    response: httpx.Response
-    chunks: object
+    response: NodeResponse
     first: bytes
     route: object = None  # the Route, finished when the stream ends (its KV blocks stop counting as active)
 
 
-def _response_headers(response: httpx.Response) -> list:
-    return [(k, v) for k, v in response.headers.raw if k.lower() not in _RESPONSE_DROPPED]
+def _response_headers(response: NodeResponse) -> list:
+    return [(k, v) for k, v in response.headers if k not in _RESPONSE_DROPPED]
 
 
-def _is_event_stream(response: httpx.Response) -> bool:
-    return response.status_code == 200 and response.headers.get("content-type", "").startswith("text/event-stream")
+def _is_event_stream(response: NodeResponse) -> bool:
+    return response.status == 200 and response.header(b"content-type").startswith(b"text/event-stream")
 
 
 class Forwarder:
@@ -126,7 +125,7 @@ class Forwarder:
 
     # -- one attempt -----------------------------------------------------------
 
-    def _client(self, node: Node, admitted: bool) -> httpx.AsyncClient:
+    def _client(self, node: Node, admitted: bool) -> NodePool:
         try:
             return self.pools.client(node)
         except CallFailed:
@@ -134,10 +133,8 @@ class Forwarder:
                 node.breaker.release()  # placed, never sent: no verdict on the node
             raise
 
-    async def _send(self, client: httpx.AsyncClient, call: Call) -> httpx.Response:
-        request = client.build_request(call.method, call.path, content=call.body or None, headers=call.opts.headers,
-                                       extensions=self.pools.extensions)
-        return await client.send(request, stream=True)
+    async def _send(self, client: NodePool, call: Call) -> NodeResponse:
+        return await client.request(call.method, call.path, call.opts.headers, call.body)
 
     async def attempt(self, node: Node, call: Call, *, sample: bool = True, admitted: bool = True) -> Answer:
         """One unary attempt on `node`: its whole answer, read raw (bytes as
@@ -146,12 +143,12 @@ class Forwarder:
         with self.router.visit(node, "call", model=call.model if sample else "", admitted=admitted) as visit:
             response = await self._send(client, call)
             try:
-                body = b"".join([chunk async for chunk in response.aiter_raw()])
+                body = await response.read()
             finally:
-                await response.aclose()
-            visit.code = code_of(response.status_code)
-        answer = Answer(response.status_code, _response_headers(response), body)
-        if response.status_code == 503:
+                response.close()
+            visit.code = code_of(response.status)
+        answer = Answer(response.status, _response_headers(response), body)
+        if response.status == 503:
             raise NodeAnswered(answer, node)
         return answer
 
@@ -167,25 +164,24 @@ class Forwarder:
             response = await self._send(client, call)
             if not _is_event_stream(response):
                 try:
-                    body = b"".join([chunk async for chunk in response.aiter_raw()])
+                    body = await response.read()
                 finally:
-                    await response.aclose()
-                visit.code = code_of(response.status_code)
+                    response.close()
+                visit.code = code_of(response.status)
                 open_visit, visit = visit, None
                 open_visit.__exit__(None, None, None)
-                answer = Answer(response.status_code, _response_headers(response), body)
-                if response.status_code == 503:
+                answer = Answer(response.status, _response_headers(response), body)
+                if response.status == 503:
                     raise NodeAnswered(answer, node)
                 return answer
-            chunks = response.aiter_raw()
-            first = await anext(chunks, b"")
+            first = await response.next_chunk()
             visit.answered()
-            return Stream(node, visit, response, chunks, first)
+            return Stream(node, visit, response, first)
         except BaseException as exc:
             if visit is None:
                 raise
             if response is not None:
-                await response.aclose()
+                response.close()
             if not visit.__exit__(type(exc), exc, exc.__traceback__):
                 raise
 
@@ -269,7 +265,7 @@ class Forwarder:
                         tail = data[cut:]
                     else:
                         tail = data
-                    chunk = await anext(stream.chunks, b"")
+                    chunk = await response.next_chunk()
             except BaseException as exc:
                 if not visit.__exit__(type(exc), exc, exc.__traceback__):
                     raise
@@ -280,7 +276,7 @@ class Forwarder:
             await to_client(send, {"type": "http.response.body", "body": error_event(failure), "more_body": True})
             tail = b""
         finally:
-            await response.aclose()
+            response.close()
             if stream.route is not None:
                 stream.route.finish()
         await to_client(send, {"type": "http.response.body", "body": tail})

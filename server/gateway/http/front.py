@@ -231,8 +231,8 @@ class HttpFront:
                 result = error_answer(path, 429, exc.message)
             if isinstance(result, Stream):
                 status = 200
-                await exchange.start(200, [(k, v) for k, v in result.response.headers.raw
-                                           if k.lower() in (b"content-type", b"cache-control", b"x-accel-buffering")])
+                await exchange.start(200, [(k, v) for k, v in result.response.headers
+                                           if k in (b"content-type", b"cache-control", b"x-accel-buffering")])
                 await self.forwarder.relay(result, exchange.body)
             else:
                 status = result.status

@@ -11,9 +11,10 @@ from modeld.server.request_context import REQUEST_ID_HEADER
 
 _REQUEST_TYPES = ("inference", "update")
 _URGENCIES = ("low", "normal", "high", "critical")
-# hop-by-hop headers (RFC 9110 7.6.1) and those httpx sets for the next hop itself
+# hop-by-hop headers (RFC 9110 7.6.1) and those the gateway sets for the next hop itself
 _DROPPED = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te", b"trailer",
                       b"upgrade", b"host", b"content-length", b"proxy-authorization", b"proxy-authenticate",
+                      b"expect",  # the gateway sends the body it already holds at once
                       REQUEST_ID_HEADER.encode()})
 
 

@@ -5,21 +5,20 @@ found: the operator's explicit mapping (`--node-http GRPC=HTTP`), the port
 the node advertises in its Stats (`http_port`, where the daemon sends one),
 or `node_http_port` on the node's gRPC host (a StatefulSet whose pods all
 serve HTTP on one port). Toward the nodes the gateway speaks HTTP/1.1 over
-an httpx pool per node, with TLS when --node-tls-ca is set (the CA, client
-certificate and server name the gRPC channels use).
+a keep-alive pool per node (client.py), with TLS when --node-tls-ca is set
+(the CA, client certificate and server name the gRPC channels use).
 """
 
 from __future__ import annotations
 
-import asyncio
 import ssl
 
 import grpc
-import httpx
 import structlog
 
 from modeld.server.gateway.config import GatewaySettings
 from modeld.server.gateway.failure import CallFailed
+from modeld.server.gateway.http.client import NodePool
 from modeld.server.gateway.nodes import Fleet, Node
 
 log = structlog.get_logger("modeld.gateway")
@@ -41,17 +40,14 @@ def node_tls_context(s: GatewaySettings) -> ssl.SSLContext | None:
 
 
 class NodePools:
-    """An httpx client per node, made on first use and closed when the node
+    """A connection pool per node, made on first use and closed when the node
     leaves the fleet (or moves to another HTTP address)."""
 
     def __init__(self, fleet: Fleet, settings: GatewaySettings) -> None:
         self.fleet, self.settings = fleet, settings
         self.mapping = parse_mapping(settings.node_http)
         self.tls = node_tls_context(settings)
-        self.scheme = "https" if self.tls is not None else "http"
-        # the name checked in each node's certificate (nodes dialled by IP), as the gRPC channels do
-        self.extensions = {"sni_hostname": settings.node_tls_server_name} if settings.node_tls_server_name else {}
-        self._clients: dict[str, tuple[str, httpx.AsyncClient]] = {}
+        self._clients: dict[str, tuple[str, NodePool]] = {}
         self._unmapped_logged: set[str] = set()
         fleet.listeners.append(self._prune)
 
@@ -64,7 +60,7 @@ class NodePools:
         port = advertised or self.settings.node_http_port
         return f"{host}:{port}" if port else None
 
-    def client(self, node: Node) -> httpx.AsyncClient:
+    def client(self, node: Node) -> NodePool:
         """The node's pool; UNAVAILABLE naming the fix when the gateway does
         not know where it serves HTTP (routing then tries another node)."""
         address = self.http_address(node)
@@ -80,36 +76,26 @@ class NodePools:
         if known is not None and known[0] == address:
             return known[1]
         if known is not None:
-            self._close_later(known[1])
-        client = self._new_client(address)
+            known[1].close()
+        s = self.settings
+        host, _, port = address.rpartition(":")
+        # no read deadline: a generation may stream for minutes; a frozen node
+        # is found by its Stats probes (nodes.py), which cancel the calls
+        # waiting on it. Idle connections close after 30 s, before the
+        # daemon's 75 s keep-alive, so the gateway never races a closing server.
+        client = NodePool(host, int(port), tls=self.tls,
+                          # the name checked in each node's certificate (nodes dialled by IP), as gRPC's
+                          server_hostname=s.node_tls_server_name or host.strip("[]"),
+                          max_idle=s.http_node_keepalive, idle_s=30.0, connect_timeout_s=s.http_connect_timeout_s)
         self._clients[node.address] = (address, client)
         return client
-
-    def _new_client(self, address: str) -> httpx.AsyncClient:
-        s = self.settings
-        return httpx.AsyncClient(
-            base_url=f"{self.scheme}://{address}", http1=True, http2=False, trust_env=False,
-            verify=self.tls if self.tls is not None else True,
-            # no read deadline: a generation may stream for minutes; a frozen
-            # node is found by its Stats probes (nodes.py), which cancel the
-            # calls waiting on it
-            timeout=httpx.Timeout(None, connect=s.http_connect_timeout_s),
-            # shorter than the daemon's 75 s keep-alive, so the gateway
-            # closes idle connections first and never races a closing server
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=s.http_node_keepalive,
-                                keepalive_expiry=30.0))
 
     def _prune(self) -> None:
         for address in list(self._clients):
             if address not in self.fleet.by_address:
-                self._close_later(self._clients.pop(address)[1])
-
-    def _close_later(self, client: httpx.AsyncClient) -> None:
-        task = asyncio.get_running_loop().create_task(client.aclose())
-        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+                self._clients.pop(address)[1].close()
 
     async def close(self) -> None:
-        clients = [client for _, client in self._clients.values()]
+        for _, client in self._clients.values():
+            client.close()
         self._clients.clear()
-        for client in clients:
-            await client.aclose()
