@@ -201,6 +201,28 @@ def test_special_tokens_and_stop_text_when_asked(model):
     assert "<|im_end|>" not in plain and spelled == plain + "<|im_end|>"
 
 
+def test_min_tokens_holds_back_a_stop_string_that_comes_too_early(model):
+    ask = (ChatMessage("user", "Count from one to twenty, one number per line."),)
+
+    async def go():
+        free = await _generate(model, messages=ask, max_tokens=40, ignore_eos=True)
+        # a stop string the greedy answer writes within its first tokens
+        first = model.detokenize(free[0][:3])
+        stop = first.strip()[:4] or first
+        early = await _generate(model, messages=ask, max_tokens=40, stop=(stop,), ignore_eos=True)
+        held = await _generate(model, messages=ask, max_tokens=40, stop=(stop,), min_tokens=12, ignore_eos=True)
+        return free, stop, early, held
+    (free_tokens, free_text, _), stop, (early_tokens, early_text, early_final), (tokens, text, final) = _run(model, go)
+    assert stop in free_text[:free_text.index(stop) + len(stop)]
+    assert early_final.finish_reason is FinishReason.STOP and len(early_tokens) < 12
+    assert stop not in early_text and free_text.startswith(early_text)
+    # with min_tokens the early stop is text like any other: greedy decoding goes on as without the stop
+    assert len(tokens) >= 12 and tokens == free_tokens[:len(tokens)]
+    assert stop in text and free_text.startswith(text)
+    if final.finish_reason is FinishReason.STOP:  # a later occurrence, past min_tokens, ends it before itself
+        assert free_text[len(text):].startswith(stop)
+
+
 def test_n_identical_prompts_compute_the_prompt_once(model):
     # a prompt no other test sends: nothing of it is cached before
     system = f"Session {model.backend_name}-n4. You are a careful assistant. Answer in one short sentence. " * 3
