@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: all venv models registry serve test test-all test-remote stress vllm-env infinity-env llama-peer bench proto node docs clean
+.PHONY: all venv models registry serve test test-all test-remote stress vllm-env infinity-env llama-peer aiperf-env bench proto node docs clean
 
 all: test
 
@@ -75,6 +75,10 @@ infinity-env: $(STAMP)
 llama-peer: $(STAMP)
 	bash bench/peers/llama_server.sh
 
+# NVIDIA's aiperf, the third-party harness of bench_aiperf.py, in .venv-aiperf (once)
+aiperf-env:
+	bash bench/peers/aiperf_env.sh
+
 $(HF_SMOLLM2): | $(STAMP)
 	$(BIN)/python bench/peers/hf_weights.py --out var/hf/smollm2
 
@@ -91,11 +95,11 @@ stress: models
 	MODELD_STRESS_SCALE=20 MODELD_STRESS_RESULTS=bench/results/stress.json MODELD_STRESS_COMMAND="make stress" \
 		$(BIN)/pytest -m stress tests/stress $(PYTEST_ARGS)
 
-BENCHES = minilm llamacpp llama_server backends onnx_genai torch http gateway remote infinity torch_vllm workers store structured
+BENCHES = minilm llamacpp llama_server backends onnx_genai torch http gateway remote infinity torch_vllm workers store structured token_cpu aiperf
 
 # every benchmark runs even when one before it fails (a run takes over an
 # hour); the target still fails, naming each that did
-bench: models vllm-env infinity-env llama-peer $(HF_SMOLLM2)
+bench: models vllm-env infinity-env llama-peer aiperf-env $(HF_SMOLLM2)
 	@failed=""; for b in $(BENCHES); do \
 		echo "== bench/bench_$$b.py ($$(date -u +%H:%M:%S))"; \
 		$(BIN)/python bench/bench_$$b.py || failed="$$failed bench_$$b.py"; \

@@ -1,0 +1,196 @@
+"""Issue 30: modeld's OpenAI endpoint and llama.cpp's llama-server under a
+benchmark harness neither of us wrote: NVIDIA's aiperf (PyPI `aiperf`, in
+its own environment, bench/peers/aiperf_env.sh), run as a user would run it:
+
+    aiperf profile --endpoint-type chat --streaming --concurrency C
+        --synthetic-input-tokens-mean 128 --output-tokens-mean 64 ...
+
+Same SmolLM2 GGUF (models/smollm2/model.gguf) on both sides, same llama.cpp
+(llama-server built from the llama-cpp-python sdist our venv runs:
+bench/peers/llama_server.sh), llama-server with -np 8 slots and 2 threads.
+Sampling is each server's default for a request that names none (aiperf
+sends no temperature); ignore_eos makes every answer 64 tokens on both.
+
+Both servers stay up for a round; each aiperf run starts once both are idle
+(racing.settle). Per round, per concurrency (8, 32) and per placement of
+the harness: unpinned (as a user runs it: harness and server share both
+cores) and pinned (`taskset -c 1`: the harness on one core; the server
+still sees both), the sides run in an order that alternates between rounds.
+Ratios are modeld / llama-server per round, reported as medians: output
+token throughput (higher is better), time to first token p50 and
+inter-token latency p50 (lower is better).
+
+    .venv/bin/python bench/bench_aiperf.py [--rounds 2] [--concurrency 8,32] [--placements unpinned,pinned]
+
+Writes bench/results/aiperf.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))
+from bench_llama_server import PEER_BIN, LlamaServer  # noqa: E402
+from racing import goal, machine, median_ratio, round_order, settle  # noqa: E402
+
+AIPERF = ROOT / ".venv-aiperf/bin/aiperf"
+TOKENIZER = ROOT / "var/hf/smollm2"
+RESULTS = ROOT / "bench/results"
+INPUT_TOKENS, OUTPUT_TOKENS = 128, 64
+REQUESTS_PER_STREAM = 3  # requests = concurrency x this: a few waves, a few minutes a round in all
+SIDES = ["modeld", "llama-server"]
+
+
+class ModeldHttp:
+    """modeld serve with smollm2 loaded, its OpenAI API on a free port."""
+
+    def __init__(self) -> None:
+        from daemon import start_daemon
+
+        self.daemon = start_daemon("--metrics-port", "-1", "--no-preload", repository=ROOT / "models")
+        import tritonclient.grpc as tc
+
+        client = tc.InferenceServerClient(self.daemon.address)
+        client.load_model("smollm2")
+        client.close()
+        self.url = self.daemon.http_url
+        self.pid = self.daemon.proc.pid
+
+    def stop(self) -> None:
+        self.daemon.stop()
+
+
+def aiperf(url: str, concurrency: int, pinned: bool, artifacts: Path) -> dict:
+    """One aiperf profile run; its summary figures."""
+    cmd = [str(AIPERF), "profile", "--url", url, "-m", "smollm2", "--endpoint-type", "chat", "--streaming",
+           "--tokenizer", str(TOKENIZER), "--use-server-token-count", "--concurrency", str(concurrency),
+           "--request-count", str(concurrency * REQUESTS_PER_STREAM),
+           "--warmup-request-count", str(concurrency),
+           "--synthetic-input-tokens-mean", str(INPUT_TOKENS), "--synthetic-input-tokens-stddev", "0",
+           "--output-tokens-mean", str(OUTPUT_TOKENS), "--output-tokens-stddev", "0",
+           "--extra-inputs", "ignore_eos:true", "--random-seed", "7",
+           "--artifact-dir", str(artifacts), "--ui", "none"]
+    if pinned:
+        cmd = ["taskset", "-c", "1"] + cmd
+    # aiperf resolves a local tokenizer folder as a hub repo id when offline
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    started = time.monotonic()
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"aiperf failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    found = sorted(artifacts.rglob("profile_export_aiperf.json"))
+    if not found:
+        raise RuntimeError(f"aiperf wrote no profile_export_aiperf.json under {artifacts}")
+    data = json.loads(found[-1].read_text())
+
+    def metric(name: str) -> dict:
+        value = data.get(name) or data.get("records", {}).get(name) or {}
+        return {k: value.get(k) for k in ("avg", "p50", "p90", "p99", "unit") if k in value}
+
+    return {"output_token_throughput": metric("output_token_throughput"),
+            "time_to_first_token": metric("time_to_first_token"),
+            "inter_token_latency": metric("inter_token_latency"),
+            "request_count": metric("request_count"), "error_request_count": metric("error_request_count"),
+            "wall_s": time.monotonic() - started}
+
+
+def race(rounds: int, concurrencies: list[int], placements: list[str]) -> list[dict]:
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="modeld-aiperf-") as tmp:
+        for r in range(rounds):
+            node, peer = ModeldHttp(), LlamaServer()
+            try:
+                got: dict = {"round": r, "first": round_order(SIDES, r)[0]}
+                for concurrency in concurrencies:
+                    for placement in placements:
+                        for side in round_order(SIDES, r):
+                            settle([node.pid, peer.proc.pid])
+                            url = node.url if side == "modeld" else peer.url
+                            artifacts = Path(tmp) / f"r{r}-c{concurrency}-{placement}-{side}"
+                            figures = aiperf(url, concurrency, placement == "pinned", artifacts)
+                            shutil.rmtree(artifacts, ignore_errors=True)
+                            got[f"{side} c{concurrency} {placement}"] = figures
+                            print(f"round {r}, {side}, concurrency {concurrency}, {placement}: "
+                                  f"{figures['output_token_throughput'].get('avg', 0):.1f} tok/s, ttft p50 "
+                                  f"{figures['time_to_first_token'].get('p50', 0):.0f} ms, itl p50 "
+                                  f"{figures['inter_token_latency'].get('p50', 0):.1f} ms", flush=True)
+            finally:
+                node.stop()
+                peer.stop()
+            runs.append(got)
+    return runs
+
+
+def summarise(runs: list[dict], concurrencies: list[int], placements: list[str]) -> dict:
+    out = {}
+    for concurrency in concurrencies:
+        for placement in placements:
+            key = f"c{concurrency} {placement}"
+
+            def series(side: str, metric: str, stat: str) -> list[float]:
+                return [g[f"{side} {key}"][metric][stat] for g in runs]
+
+            throughput = median_ratio(series("modeld", "output_token_throughput", "avg"),
+                                      series("llama-server", "output_token_throughput", "avg"))
+            ttft = median_ratio(series("modeld", "time_to_first_token", "p50"),
+                                series("llama-server", "time_to_first_token", "p50"))
+            itl = median_ratio(series("modeld", "inter_token_latency", "p50"),
+                               series("llama-server", "inter_token_latency", "p50"))
+            out[key] = {
+                "medians": {f"{side} {m}": statistics.median(series(side, m, s))
+                            for side in SIDES for m, s in (("output_token_throughput", "avg"),
+                                                           ("time_to_first_token", "p50"),
+                                                           ("inter_token_latency", "p50"))},
+                "goals": {"output throughput vs llama-server": goal(throughput, 1.0),
+                          "ttft p50 vs llama-server": goal(ttft, 1.0, higher_is_better=False),
+                          "itl p50 vs llama-server": goal(itl, 1.0, higher_is_better=False)},
+            }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--concurrency", default="8,32")
+    parser.add_argument("--placements", default="unpinned,pinned")
+    parser.add_argument("--output", default=str(RESULTS / "aiperf.json"))
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # modeld's side; aiperf's own env drops it
+    for need, how in ((AIPERF, "make aiperf-env"), (PEER_BIN / "llama-server", "make llama-peer"),
+                      (TOKENIZER / "tokenizer.json", "make var/hf/smollm2/.modeld-complete")):
+        if not need.exists():
+            sys.exit(f"{need.relative_to(ROOT)} is missing: run `{how}` (or `make bench`)")
+    if os.cpu_count() < 2 and "pinned" in args.placements:
+        sys.exit("a pinned run needs two cores (the harness on core 1)")
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    placements = args.placements.split(",")
+    before = machine()
+    runs = race(args.rounds, concurrencies, placements)
+    summary = summarise(runs, concurrencies, placements)
+    record = {"command": "python bench/bench_aiperf.py " + " ".join(sys.argv[1:]), "harness": "aiperf",
+              "aiperf_version": subprocess.run([str(ROOT / ".venv-aiperf/bin/python"), "-c",
+                                                "import importlib.metadata as m; print(m.version('aiperf'))"],
+                                               capture_output=True, text=True).stdout.strip(),
+              "machine": before, "load_average_after": list(os.getloadavg()),
+              "input_tokens": INPUT_TOKENS, "output_tokens": OUTPUT_TOKENS, "rounds": runs, "summary": summary}
+    path = Path(args.output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2))
+    for key, row in summary.items():
+        print(f"{key}: " + ", ".join(f"{name} {g['ratio']:.2f}x ({'met' if g['met'] else 'missed'})"
+                                     for name, g in row["goals"].items()))
+
+
+if __name__ == "__main__":
+    main()
