@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -180,6 +181,28 @@ def test_an_oversized_body_is_refused_before_it_is_read_whole(fleet):
 
     streamed = httpx.post(f"{fleet['url']}/v2/models/minilm/infer", content=chunks(), timeout=30)
     assert streamed.status_code == 413 and "http_max_body_bytes" in streamed.json()["error"]
+
+
+def test_a_node_that_refuses_the_connection_is_retried_elsewhere_before_the_client_sees_it(fleet):
+    """A node whose HTTP port refuses connections (its mapping points at a
+    closed port): each call placed there goes once more to the other node."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    bad = _served(fleet["daemons"], "minilm")  # the model is loaded there: placement prefers it
+    good = next(d for d in fleet["daemons"] if d is not bad)
+    gateway = start_gateway(bad.address, good.address, args=(
+        "--http-port", "0", "--replicas", "2", "--node-http", f"{bad.address}=127.0.0.1:{closed}",
+        "--node-http", f"{good.address}=127.0.0.1:{good.http_port}"))
+    try:
+        wait_until(lambda: _serving(gateway) == 2, what="2 nodes serving")
+        url = f"http://127.0.0.1:{gateway.http_port}"
+        for _ in range(20):
+            answer = httpx.post(f"{url}/v1/embeddings", json={"model": "minilm", "input": ["x"]}, timeout=60)
+            assert answer.status_code == 200, answer.text
+        assert metric_sum(gateway, "modeld_gateway_retries_total", method="http:Embeddings") >= 1
+    finally:
+        gateway.stop()
 
 
 def _long_stream(url: str):

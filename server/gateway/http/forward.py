@@ -65,7 +65,7 @@ class Call:
 
     @property
     def router_method(self) -> str:
-        return f"/http/{self.name}"
+        return f"/http:{self.name}"  # the retries metric labels by the part after the last "/"
 
 
 @dataclass(frozen=True)
