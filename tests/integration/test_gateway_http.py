@@ -142,6 +142,8 @@ def test_model_list_merges_the_fleet(fleet):
     ids = [row["id"] for row in listing["data"]]
     assert ids == sorted({"minilm", "smollm2"})
     assert {row["id"] for row in listing["data"] if row["ready"]} == {"minilm", "smollm2"}  # loaded somewhere by now
+    head = httpx.head(f"{fleet['url']}/v2/models/minilm", timeout=30)
+    assert head.status_code == 200 and head.content == b""
 
 
 def test_tokens_are_checked_at_the_gateway(fleet):

@@ -65,6 +65,13 @@ def failure_answer(path: str, failure: CallFailed) -> Answer:
     return error_answer(path, STATUS_BY_CODE.get(failure.code, 500), failure.details, failure.code.name.lower())
 
 
+def _method(scope) -> str:
+    """HEAD goes on as GET: an answer to HEAD has a length but no body, which
+    the node pool's parser cannot tell from a body still to come; uvicorn
+    sends the client the head only."""
+    return "GET" if scope["method"] == "HEAD" else scope["method"]
+
+
 def _target(scope) -> str:
     """The path and query the node gets: the client's own bytes."""
     path = scope.get("raw_path") or scope["path"].encode()
@@ -314,7 +321,7 @@ class HttpFront:
             fields = await self._fields(body, opts, _MODEL)
             model = model_of(fields)
             body, model = self._retargeted(body, fields, opts, model)
-            call = Call(self._name(scope), scope["method"], _target(scope), body, opts, model)
+            call = Call(self._name(scope), _method(scope), _target(scope), body, opts, model)
             return await self.forwarder.unary(call, self._hedges(hedgeable, model, opts))
         return handler
 
@@ -329,13 +336,13 @@ class HttpFront:
                 rest = target[len(prefix):].split("/", 1)
                 target = prefix + quote(chosen, safe="") + ("/" + rest[1] if len(rest) > 1 else "")
                 model = chosen
-            call = Call(self._name(scope), scope["method"], target, body, opts, model)
+            call = Call(self._name(scope), _method(scope), target, body, opts, model)
             return await self.forwarder.unary(call, self._hedges(hedgeable, model, opts))
         return handler
 
     async def _any(self, scope, body: bytes, opts: HttpCallOptions) -> Answer:
         """A call about no model: any node that can take it."""
-        return await self.forwarder.unary(Call(self._name(scope), scope["method"], _target(scope), body, opts))
+        return await self.forwarder.unary(Call(self._name(scope), _method(scope), _target(scope), body, opts))
 
     def _hedges(self, hedgeable: bool, model: str, opts: HttpCallOptions) -> bool:
         return hedgeable and not opts.update and (opts.urgent or model in self.settings.hedge_models)
