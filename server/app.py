@@ -149,7 +149,8 @@ class Daemon:
         parsing = ParsingServer(self.server, lambda: self.plane.count_failure("", ErrorKind.INVALID_ARGUMENT))
         inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(self.plane), parsing)
         generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(self.plane), parsing)
-        node_pb2_grpc.add_NodeServicer_to_server(NodeService(self.plane), parsing)
+        self.node_service = NodeService(self.plane)
+        node_pb2_grpc.add_NodeServicer_to_server(self.node_service, parsing)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, parsing)
         reflection.enable_server_reflection(
             [inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
@@ -162,6 +163,7 @@ class Daemon:
             raise OSError(f"cannot listen on {s.host}:{s.grpc_port}")
         await self.server.start()
         await self._start_http()
+        self.node_service.http_port = self.http_port  # NodeStats tells gateways where its HTTP front is
         self._start_metrics()
         for name in self.engine.repository.names():
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -141,6 +141,18 @@ def decode_bytes(data: bytes) -> tuple[object, int]:
 
 
 _INCOMPLETE = object()
+# A frame holding several messages: ("batch", (message, ...)), sent by a
+# ThreadChannel flush that has more than one queued (a generation step's
+# token events for every stream and its observer reports). One pickle and
+# one frame header for the step instead of one per message; a reader hands
+# the messages on one by one, so nothing above the channel sees batches.
+BATCH = "batch"
+
+
+def _unbatched(message: object):
+    if type(message) is tuple and len(message) == 2 and message[0] == BATCH:
+        return message[1]
+    return (message,)
 
 
 def next_frame(buf: bytearray) -> object:
@@ -173,8 +185,9 @@ def next_frame(buf: bytearray) -> object:
 
 
 def _take_pending(channel) -> list:
-    """What a channel's flush writes: the frames queued since the last one,
-    or nothing once the channel closed (they are dropped)."""
+    """What a channel's flush writes: what was queued since the last one
+    (frame parts, or a ThreadChannel's messages), or nothing once the
+    channel closed (they are dropped)."""
     channel._scheduled = False
     parts, channel._pending = channel._pending, []
     return [] if channel.closed else parts
@@ -210,7 +223,8 @@ class FrameProtocol(asyncio.Protocol):
                 return
             if message is _INCOMPLETE:
                 return
-            self._on_message(message)
+            for one in _unbatched(message):
+                self._on_message(one)
 
     def _fail(self, exc: BaseException) -> None:
         self.closed = True
@@ -307,8 +321,9 @@ class ThreadChannel:
                     message = next_frame(buf)
                     if message is _INCOMPLETE:
                         break
-                    if not self._inline(message):
-                        self._loop.call_soon_threadsafe(self._on_message, message)
+                    for one in _unbatched(message):
+                        if not self._inline(one):
+                            self._loop.call_soon_threadsafe(self._on_message, one)
         except FrameError as exc:
             reason = exc
         except OSError as exc:
@@ -338,10 +353,11 @@ class ThreadChannel:
             raise ConnectionResetError(f"the channel is closed: {exc}") from exc
 
     def send(self, message: object) -> None:
-        """Queue a frame (on the loop thread); one turn's frames go out in one write."""
+        """Queue a message (on the loop thread); one turn's messages go out
+        as one frame (a batch when there are several) in one write."""
         if self.closed:
             raise ConnectionResetError("the channel is closed")
-        self._pending.extend(encode(message))
+        self._pending.append(message)
         if not self._scheduled:
             self._scheduled = True
             self._loop.call_soon(self.flush)
@@ -353,11 +369,11 @@ class ThreadChannel:
         self._write(encode(message))
 
     def flush(self) -> None:
-        parts = _take_pending(self)
-        if not parts:
+        messages = _take_pending(self)
+        if not messages:
             return
         try:
-            self._write(parts)
+            self._write(encode(messages[0] if len(messages) == 1 else (BATCH, tuple(messages))))
         except ConnectionResetError:
             pass  # the reader reports the loss
 

@@ -156,6 +156,9 @@ class Worker:
     async def op_detokenize(self, token_ids: list[int]) -> str:
         return self.loaded.detokenize(token_ids)
 
+    async def op_prompt_ids(self, request) -> list[int]:
+        return self.loaded.prompt_ids(request)
+
     async def op_exit(self) -> None:
         """Unload and end: the process's memory goes back with it."""
         for task in list(self.streams.values()):
@@ -205,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_format)
     structlog.contextvars.bind_contextvars(worker_pid=os.getpid())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C to the daemon's group: the daemon decides
-    asyncio.run(_amain(args.fd, args.model))
+    from modeld.server.event_loop import run
+
+    run(_amain(args.fd, args.model))  # uvloop where installed, as the daemon
     # os._exit: skip interpreter teardown (native runtimes' atexit handlers
     # can take seconds); the model is already unloaded
     sys.stdout.flush()

@@ -326,6 +326,10 @@ class WorkerGenerativeModel(_WorkerModelMixin, GenerativeModel):
     def detokenize(self, token_ids: list[int]):
         return self.worker.call("detokenize", list(token_ids))
 
+    def prompt_ids(self, request: GenerateRequest):
+        """The prompt's token ids as the worker's loop makes them (chat template included)."""
+        return self.worker.call("prompt_ids", request)
+
 
 async def load_in_worker(backend_name: str, config, model_dir: Path, timeout_s: float,
                          log_level: str = "info", log_format: str = "json") -> WorkerTensorModel | WorkerGenerativeModel:

@@ -192,3 +192,30 @@ async def test_thread_channel_answers_inline_and_hands_the_rest_to_the_loop():
     await wait_until_async(lambda: len(lost) == 2, what="both ends to report the loss")
     assert lost == [None, None]
     await channel.close()
+
+
+async def test_a_turns_messages_from_the_worker_go_as_one_frame_and_arrive_one_by_one():
+    """A generation step's events for every stream travel in one batch frame;
+    the daemon's end hands them on singly, in order."""
+    from modeld.server.workers.frames import BATCH, ThreadChannel, decode_bytes
+
+    ours, theirs = socket.socketpair()
+    received, lost = [], []
+    daemon_end = await connect(FrameProtocol(received.append, lost.append), ours)
+    channel = ThreadChannel(theirs, asyncio.get_running_loop(), lambda m: False, lambda m: None, lambda e: None)
+    writes = []
+    write = channel._write
+    channel._write = lambda parts: (writes.append(b"".join(bytes(p) for p in parts)), write(parts))
+    events = [("event", rid, TokenEvent((rid,), str(rid))) for rid in range(8)] + [("obs", "on_step", (8, 0, 1, 2))]
+    for message in events:
+        channel.send(message)
+    await wait_until_async(lambda: len(received) == len(events), what="every message of the turn")
+    assert received == events
+    assert len(writes) == 1
+    frame, used = decode_bytes(writes[0])
+    assert used == len(writes[0]) and frame == (BATCH, tuple(events))
+    channel.send(("event", 9, TokenEvent((9,), "9")))  # alone in its turn: a plain frame
+    await wait_until_async(lambda: len(received) == len(events) + 1, what="the lone event")
+    assert decode_bytes(writes[1])[0] == ("event", 9, TokenEvent((9,), "9"))
+    await daemon_end.close()
+    await channel.close()
