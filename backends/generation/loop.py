@@ -45,7 +45,7 @@ from modeld.backends.generation.params import (
     FinalEvent, FinishReason, GenerateRequest, SpeculativeMode, TokenEvent, Usage,
 )
 from modeld.backends.generation.sampling import (
-    adjust_logits, logprobs_of, make_rng, needs_adjusting, probabilities, sample_rows,
+    adjust_logits, draw, logprobs_of, make_rng, needs_adjusting, probabilities, sample_rows,
 )
 from modeld.backends.generation.sequence import Sequence
 
@@ -438,7 +438,7 @@ class GenerationLoop:
                 residual[draft] = 0.0
                 if residual.sum() <= 0:
                     residual = probs
-                token = int(seq.rng.choice(residual.shape[0], p=residual / residual.sum()))
+                token = draw(residual / residual.sum(), seq.rng)
                 return i, drafts[:i] + [token], rows[:i + 1]
         last = sample_rows(rows[len(drafts):len(drafts) + 1], [params], [seq.rng])
         return len(drafts), drafts + [int(last[0])], rows
