@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from modeld.backends.errors import NotFound, Unimplemented
+from modeld.backends.errors import NotFound
 from modeld.backends.generation.params import GenerateRequest
 from modeld.backends.model_config import ToolParser
 from modeld.server.dataplane import DataPlane
@@ -95,11 +95,7 @@ class OpenAIApi:
         generate = GenerateRequest(model, messages=chat_messages(body), tools=tools,
                                    chat_template_kwargs=tuple(kwargs.items()))
         generate.validate()
-        prompt_ids = getattr(self.plane, "prompt_ids", None)
-        if prompt_ids is None:
-            raise Unimplemented("/tokenize with messages is not served by this build (the data plane cannot render "
-                                "a chat without generating); send the rendered text as prompt")
-        return list(await prompt_ids(generate))
+        return list(await self.plane.prompt_ids(generate))
 
     @takes_json_body
     async def detokenize(self, request: Request, body: dict) -> Response:
@@ -141,7 +137,7 @@ class OpenAIApi:
             return error_response(exc, self.plane, name)
 
     def _describe(self, status: ModelStatus) -> dict:
-        base = getattr(status, "base", "")  # a LoRA adapter's base model: vLLM's `parent`
+        base = status.base  # a LoRA adapter's base model: vLLM's `parent`
         return {"id": status.name, "object": "model", "created": self.started, "owned_by": "modeld",
                 "ready": status.state is ModelState.READY, "state": status.state.value,
                 **({"parent": base} if base else {}), **({"reason": status.reason} if status.reason else {})}

@@ -247,6 +247,13 @@ def test_bad_fields_are_400_naming_the_field_before_any_token(raw, case):
     assert error["type"] == "invalid_request_error"
 
 
+def test_prompt_logprobs_is_refused_naming_the_backend(raw):
+    error = _error(raw.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "prompt_logprobs": 1}))
+    assert error["param"] == "prompt_logprobs" and "llamacpp backend" in error["message"], error
+    error = _error(raw.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "echo": True, "logprobs": 1}))
+    assert error["param"] == "echo" and "llamacpp backend" in error["message"], error
+
+
 def test_the_daemon_keeps_serving_after_bad_constraints(client):
     answer = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
     assert answer.choices[0].finish_reason in ("stop", "length")
@@ -308,6 +315,30 @@ def test_tokenize_and_detokenize_round_trip(raw):
     assert text.endswith("Hello, world!")
     assert _error(raw.post("/detokenize", json={"model": MODEL, "tokens": ["a"]}))["param"] == "tokens"
     assert raw.post("/tokenize", json={"model": "nope", "prompt": "x"}).status_code == 404
+
+
+def test_tokenize_messages_gives_the_prompt_a_chat_completion_runs_on(raw):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = raw.post("/tokenize", json={"model": MODEL, "messages": messages}).json()
+    assert "tokens" in chat, chat
+    answer = raw.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1}).json()
+    assert chat["count"] == len(chat["tokens"]) == answer["usage"]["prompt_tokens"]
+    text = raw.post("/detokenize", json={"model": MODEL, "tokens": chat["tokens"]}).json()["prompt"]
+    assert "Name a colour." in text and text.rstrip().endswith("assistant")
+    # the generation prompt off, as a field or as a template variable: the same shorter prompt
+    off = raw.post("/tokenize", json={"model": MODEL, "messages": messages, "add_generation_prompt": False}).json()
+    kwarg = raw.post("/tokenize", json={"model": MODEL, "messages": messages,
+                                        "chat_template_kwargs": {"add_generation_prompt": False}}).json()
+    assert off["tokens"] == kwarg["tokens"] == chat["tokens"][:off["count"]] and off["count"] < chat["count"]
+    # chat_template_kwargs reach the template a completion renders, too
+    shorter = raw.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1,
+                                                     "chat_template_kwargs": {"add_generation_prompt": False}}).json()
+    assert shorter["usage"]["prompt_tokens"] == off["count"]
+    for body, param in (({"messages": messages, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+                        ({"messages": messages, "prompt": "x"}, "prompt"),
+                        ({"messages": [{"role": "tool", "tool_call_id": "x", "content": "1"}]},
+                         "messages[0].tool_call_id")):
+        assert _error(raw.post("/tokenize", json={"model": MODEL, **body}))["param"] == param
 
 
 # -- an agent library --------------------------------------------------------------------------
