@@ -39,6 +39,7 @@ class Capability(Enum):
     # token masks from a grammar (JSON schema, regex, choice, Lark/GBNF), in
     # the sampler or passed to a remote engine that applies them
     CONSTRAINED_DECODING = "constrained_decoding"
+    LORA = "lora"  # LoRA adapters applied on top of a loaded base model (repository models, format = "lora")
 
 
 @dataclass(frozen=True)
@@ -215,11 +216,6 @@ class GenerativeModel(LoadedModel):
 
     def tokenize(self, text: str) -> list[int]:
         return self.runner.tokenize(text)
-
-    def prompt_ids(self, request) -> list[int]:
-        """The prompt's token ids exactly as generation would feed them
-        (chat template and tools rendered)."""
-        return self.loop.prompt_ids(request)
 
     def prompt_ids(self, request) -> list[int]:
         """The prompt's token ids exactly as generation would feed them

@@ -40,7 +40,7 @@ class TorchBackend(Backend):
     capabilities = frozenset({
         Capability.GENERATION, Capability.STREAMING, Capability.CONTINUOUS_BATCHING,
         Capability.PREFIX_CACHE, Capability.SPECULATIVE_DECODING, Capability.LOGPROBS,
-        Capability.CONSTRAINED_DECODING,
+        Capability.CONSTRAINED_DECODING, Capability.LORA,
     })
 
     def availability(self) -> Verdict:

@@ -21,7 +21,7 @@ import anyio
 import structlog
 
 from modeld.backends.artifact_paths import scrub_paths
-from modeld.backends.base import Backend, GenerativeModel, LoadedModel
+from modeld.backends.base import Backend, Capability, GenerativeModel, LoadedModel
 from modeld.backends.errors import (
     FailedPrecondition, InvalidArgument, LoadFailed, ModeldError, NotFound, ResourceExhausted, error_for,
 )
@@ -166,7 +166,7 @@ class ModelLifecycle:
             await loaded.unload_async()
             raise
         served = await self._start(self._make_served(config, source, base.backend, loaded))
-        log.info("adapter_loaded", model=name, base=config.base, backend=base.backend.name, nbytes=loaded.nbytes)
+        log.info("model_loaded", model=name, base=config.base, backend=base.backend.name, nbytes=loaded.nbytes)
         self.models.register(served, self.repository.names)
         self.models.notify(name, ModelState.READY)
         return served
@@ -182,14 +182,14 @@ class ModelLifecycle:
             raise InvalidArgument(f"adapter {name!r}: config key base names {base_name!r}, itself an adapter; "
                                   "name the model it adapts")
         base = await self.load(base_name)
+        if Capability.LORA not in base.backend.capabilities:
+            raise FailedPrecondition(
+                f"adapter {name!r}: its base {base_name!r} is served by the {base.backend.name} backend, which "
+                "cannot apply LoRA adapters yet; serve the base on torch (backends = [\"torch\"])")
         if base.worker is not None:
             raise FailedPrecondition(
                 f"adapter {name!r}: its base {base_name!r} runs in a worker process, which adapters cannot reach; "
                 "set isolation = \"in-process\" in the base's model.toml")
-        if not hasattr(base.loaded, "load_adapter"):
-            raise FailedPrecondition(
-                f"adapter {name!r}: its base {base_name!r} is served by the {base.backend.name} backend, which "
-                "cannot apply LoRA adapters yet; serve the base on torch (backends = [\"torch\"])")
         return base
 
     def adapters_of(self, base_name: str) -> list[ServedModel]:
