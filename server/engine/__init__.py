@@ -152,10 +152,6 @@ class Engine:
         """The token ids generation would feed for this request's prompt."""
         return await _resolved((await self.generative(request.model_name)).generative.prompt_ids(request))
 
-    async def prompt_ids(self, request: GenerateRequest) -> list[int]:
-        """The token ids generation would feed for this request's prompt."""
-        return await _resolved((await self.generative(request.model_name)).generative.prompt_ids(request))
-
     async def detokenize(self, name: str, token_ids: list[int]) -> str:
         return await _resolved((await self.generative(name)).generative.detokenize(token_ids))
 
