@@ -33,10 +33,12 @@ MAX_BODY = 64 * 1024
 CHAT = [{"role": "user", "content": "Name three colours."}]
 
 
-def _gateway_args(daemons, *extra: str) -> tuple[str, ...]:
+def _gateway_args(daemons, *extra: str, mapped: bool = True) -> tuple[str, ...]:
+    """--node-http names each daemon's HTTP address; without it the gateway
+    takes the port each daemon advertises in its Stats."""
     args = ["--http-port", "0"]
     for d in daemons:
-        args += ["--node-http", f"{d.address}=127.0.0.1:{d.http_port}"]
+        args += ["--node-http", f"{d.address}=127.0.0.1:{d.http_port}"] if mapped else []
     return (*args, *extra)
 
 
@@ -57,7 +59,7 @@ def fleet(tmp_path_factory):
     tokens.write_text(f"{TOKEN} infer\n")
     gateway = start_gateway(*(d.address for d in daemons), args=_gateway_args(daemons, "--config", str(config)))
     locked = start_gateway(*(d.address for d in daemons),
-                           args=_gateway_args(daemons, "--auth-token-file", str(tokens)))
+                           args=_gateway_args(daemons, "--auth-token-file", str(tokens), mapped=False))
     try:
         wait_until(lambda: _serving(gateway) == 3 and _serving(locked) == 3, timeout=60, what="3 nodes serving")
     except BaseException:
@@ -147,6 +149,7 @@ def test_model_list_merges_the_fleet(fleet):
 
 
 def test_tokens_are_checked_at_the_gateway(fleet):
+    """(This gateway finds the daemons' HTTP ports in their Stats: no --node-http.)"""
     url = f"http://127.0.0.1:{fleet['locked'].http_port}"
     refused = httpx.post(f"{url}/v1/embeddings", json={"model": "minilm", "input": ["x"]}, timeout=30)
     assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith("Bearer")
