@@ -20,7 +20,7 @@ Ratios are modeld / llama-server per round, reported as medians: output
 token throughput (higher is better), time to first token p50 and
 inter-token latency p50 (lower is better).
 
-    .venv/bin/python bench/bench_aiperf.py [--rounds 2] [--concurrency 8,32] [--placements unpinned,pinned]
+    .venv/bin/python bench/bench_aiperf.py [--rounds 2] [--concurrency 8,32] [--placements unpinned,pinned] [--waves 2]
 
 Writes bench/results/aiperf.json.
 """
@@ -48,7 +48,7 @@ AIPERF = ROOT / ".venv-aiperf/bin/aiperf"
 TOKENIZER = ROOT / "var/hf/smollm2"
 RESULTS = ROOT / "bench/results"
 INPUT_TOKENS, OUTPUT_TOKENS = 128, 64
-REQUESTS_PER_STREAM = 3  # requests = concurrency x this: a few waves, a few minutes a round in all
+WARMUP_REQUESTS = 4
 SIDES = ["modeld", "llama-server"]
 
 
@@ -71,12 +71,12 @@ class ModeldHttp:
         self.daemon.stop()
 
 
-def aiperf(url: str, concurrency: int, pinned: bool, artifacts: Path) -> dict:
+def aiperf(url: str, concurrency: int, pinned: bool, artifacts: Path, waves: int) -> dict:
     """One aiperf profile run; its summary figures."""
     cmd = [str(AIPERF), "profile", "--url", url, "-m", "smollm2", "--endpoint-type", "chat", "--streaming",
            "--tokenizer", str(TOKENIZER), "--use-server-token-count", "--concurrency", str(concurrency),
-           "--request-count", str(concurrency * REQUESTS_PER_STREAM),
-           "--warmup-request-count", str(concurrency),
+           "--request-count", str(concurrency * waves),
+           "--warmup-request-count", str(WARMUP_REQUESTS),
            "--synthetic-input-tokens-mean", str(INPUT_TOKENS), "--synthetic-input-tokens-stddev", "0",
            "--output-tokens-mean", str(OUTPUT_TOKENS), "--output-tokens-stddev", "0",
            "--extra-inputs", "ignore_eos:true", "--random-seed", "7",
@@ -105,7 +105,7 @@ def aiperf(url: str, concurrency: int, pinned: bool, artifacts: Path) -> dict:
             "wall_s": time.monotonic() - started}
 
 
-def race(rounds: int, concurrencies: list[int], placements: list[str]) -> list[dict]:
+def race(rounds: int, concurrencies: list[int], placements: list[str], waves: int) -> list[dict]:
     runs = []
     with tempfile.TemporaryDirectory(prefix="modeld-aiperf-") as tmp:
         for r in range(rounds):
@@ -118,7 +118,7 @@ def race(rounds: int, concurrencies: list[int], placements: list[str]) -> list[d
                             settle([node.pid, peer.proc.pid])
                             url = node.url if side == "modeld" else peer.url
                             artifacts = Path(tmp) / f"r{r}-c{concurrency}-{placement}-{side}"
-                            figures = aiperf(url, concurrency, placement == "pinned", artifacts)
+                            figures = aiperf(url, concurrency, placement == "pinned", artifacts, waves)
                             shutil.rmtree(artifacts, ignore_errors=True)
                             got[f"{side} c{concurrency} {placement}"] = figures
                             print(f"round {r}, {side}, concurrency {concurrency}, {placement}: "
@@ -164,6 +164,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", default="8,32")
     parser.add_argument("--placements", default="unpinned,pinned")
+    parser.add_argument("--waves", type=int, default=2, help="requests per run: concurrency x waves")
     parser.add_argument("--output", default=str(RESULTS / "aiperf.json"))
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # modeld's side; aiperf's own env drops it
@@ -176,7 +177,7 @@ def main() -> None:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     placements = args.placements.split(",")
     before = machine()
-    runs = race(args.rounds, concurrencies, placements)
+    runs = race(args.rounds, concurrencies, placements, args.waves)
     summary = summarise(runs, concurrencies, placements)
     record = {"command": "python bench/bench_aiperf.py " + " ".join(sys.argv[1:]), "harness": "aiperf",
               "aiperf_version": subprocess.run([str(ROOT / ".venv-aiperf/bin/python"), "-c",
