@@ -88,9 +88,12 @@ class Daemon:
         self.metrics = Metrics()
         self._inline_dir = tempfile.TemporaryDirectory(prefix="modeld-inline-")
         self.registry = BackendRegistry()
+        store = ModelStore(settings.store_settings(), self.metrics.registry)
+        # torch.compile's caches under the store's cache folder, before any load or worker
+        # start (workers inherit the environment); the operator's own settings are kept
+        store.place_compile_caches()
         self.engine = Engine(
-            ModelRepository(settings.model_repository, Path(self._inline_dir.name),
-                            ModelStore(settings.store_settings(), self.metrics.registry)),
+            ModelRepository(settings.model_repository, Path(self._inline_dir.name), store),
             self.registry, MemoryManager(settings.memory_budget), self.metrics, settings.lazy_load,
             settings.health_policy(), max_streams=settings.max_streams,
         )
@@ -261,7 +264,9 @@ class Daemon:
     async def _preload(self) -> None:
         for name in self.engine.repository.names():
             try:
-                await self.engine.load(name)
+                # a versioned entry: every version its policy serves, not only version 1
+                for key in self.engine.dispatch.version_keys(name):
+                    await self.engine.load(key)
             except ModeldError as exc:
                 log.warning("preload_skipped", model=name, reason=str(exc))
 

@@ -129,10 +129,12 @@ class Worker:
 
     async def op_load(self, backend_name: str, config, model_dir: str) -> dict:
         from modeld.backends.registry import BackendRegistry
+        from modeld.server.load_priority import run_lowered
 
         backend = BackendRegistry([backend_name]).get(backend_name)
         try:
-            self.loaded = await asyncio.to_thread(backend.load, config, Path(model_dir))
+            # at a lower priority: a load (llama.cpp's, torch.compile's) must not starve serving
+            self.loaded = await asyncio.to_thread(run_lowered, backend.load, config, Path(model_dir))
         except ModeldError:
             raise
         except Exception as exc:  # a backend's unexpected fault is still a failed load
