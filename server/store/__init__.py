@@ -218,6 +218,8 @@ class ModelStore:
 def check_loadable(listing: Listing) -> None:
     """An artifact with nothing a backend loads is refused before any byte is fetched."""
     names = [f.path for f in listing.files]
+    if any(f.unpack for f in listing.files):  # what a tar layer holds is known once it is unpacked
+        return
     if any(n.rsplit("/", 1)[-1] == "model.toml" for n in names):
         return
     if any(n.lower().endswith(LOADABLE_SUFFIXES) or ".mlpackage/" in n for n in names):

@@ -67,6 +67,9 @@ class RemoteFile:
     label: str  # names the file in errors, e.g. "layer sha256:1a2b… (model.onnx)"
     # a source's own check of the finished file (S3's MD5 ETag), given its md5
     check_md5: str | None = None
+    # "tar" or "tar+gzip": a layer packing a folder, unpacked into the model folder (unpack.py); `path` then
+    # names only the archive, which the folder does not hold
+    unpack: str = ""
 
 
 @dataclass(frozen=True)
@@ -328,8 +331,15 @@ class BlobCache:
             fetched = run_parallel(lambda f: self._fetch(listing, f, progress, pins), missing, self.parallel)
             for f, digest in zip(missing, fetched):
                 digests[f.path] = digest
-            entry = Entry(entry_id, listing.uri, listing.identity, {f.path: digests[f.path] for f in listing.files},
-                          dict(listing.hints), time.time())
+            files: dict[str, str] = {}
+            for f in listing.files:
+                found = self._unpack(listing, f, digests[f.path], pins) if f.unpack else {f.path: digests[f.path]}
+                clash = next((p for p in found if p in files), None)
+                if clash is not None:
+                    raise InvalidArgument(f"{listing.uri} names the file {clash[:80]!r} twice (a tar layer's member "
+                                          "and another layer)")
+                files.update(found)
+            entry = Entry(entry_id, listing.uri, listing.identity, files, dict(listing.hints), time.time())
             self._materialise(entry)
         finally:
             with self._lock:
@@ -343,6 +353,35 @@ class BlobCache:
                         else:
                             self._pinned.pop(digest, None)
         return self.folder(entry), entry
+
+    def _unpack(self, listing: Listing, f: RemoteFile, digest: str, pins: list[str]) -> dict[str, str]:
+        """A tar layer's members as blobs, checked (unpack.py): {path: digest}.
+        Their bytes make room in the budget first; the archive's own blob goes
+        once unpacked (a later pull of the same manifest finds the folder)."""
+        from .unpack import list_members, open_layer, store_member
+
+        with open_layer(self._blob(digest), f.unpack.endswith("gzip"), f"{listing.uri}: {f.label}") as archive:
+            members = list_members(archive, f"{listing.uri}: {f.label}", MAX_FILES, safe_path)
+            need = sum(m.size for m, _ in members)
+            with self._lock:
+                self._make_room(need, listing.uri)
+                self._reserved += need
+            try:
+                found = {}
+                for member, path in members:
+                    member_digest = store_member(archive, member, self.root / "partial", self._blob,
+                                                 f"{listing.uri}: {f.label}")
+                    with self._lock:  # named by no entry until the folder is made: kept from the collector
+                        self._pinned[member_digest] = self._pinned.get(member_digest, 0) + 1
+                        pins.append(member_digest)
+                    found[path] = member_digest
+            finally:
+                with self._lock:
+                    self._reserved -= need
+        with self._lock:
+            if self._pinned.get(digest, 0) <= 1 and digest not in found.values():
+                self._blob(digest).unlink(missing_ok=True)
+        return found
 
     def _materialise(self, entry: Entry) -> None:
         tmp = self.root / "models" / f".tmp-{uuid.uuid4().hex}"

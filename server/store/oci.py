@@ -331,12 +331,15 @@ class OciSource:
             layer_digest, size = str(layer.get("digest", "")), layer.get("size")
             if not DIGEST_RE.fullmatch(layer_digest) or not isinstance(size, int) or size < 0:
                 raise InvalidArgument(f"{uri.text}: a layer has no sha256 digest and size")
-            name = self._layer_name(uri, layer, counts)
+            unpack = _tar_kind(layer)
+            name = f".layers/{layer_digest.removeprefix('sha256:')[:32]}" if unpack else \
+                self._layer_name(uri, layer, counts)
             if name is None:
                 continue
-            label = f"layer {layer_digest[:19]}… ({name})"
+            title = _annotations(layer).get(TITLE) or name
+            label = f"layer {layer_digest[:19]}… ({title})"
             files.append(RemoteFile(name, size, layer_digest, registry.blob_fetch(uri.path, layer_digest, label),
-                                    label))
+                                    label, unpack=unpack))
         return Listing(uri.text, digest, tuple(files), hints)
 
     def _layer_name(self, uri: SourceURI, layer: dict, counts: dict[str, int]) -> str | None:
@@ -344,12 +347,6 @@ class OciSource:
         name = annotations.get(MODELPACK_PATH) or annotations.get(TITLE)
         media = str(layer.get("mediaType", ""))
         if name is not None:
-            # `oras push` labels a plain file ...layer.v1.tar; a folder it packs is marked for unpacking
-            packed = annotations.get("io.deis.oras.content.unpack") == "true" or (
-                media.startswith("application/vnd.cncf.model.") and ".tar" in media)
-            if packed:
-                raise InvalidArgument(f"{uri.text}: layer {name!r} is a tar archive ({media}); modeld pulls "
-                                      "layers that are files (raw), as `modeld push` and `oras push` of files make")
             return safe_path(name, f"{uri.text} (layer annotation)")
         if media in _DMR_NAMES:
             stem, suffix = _DMR_NAMES[media]
@@ -406,6 +403,31 @@ class OciSource:
         manifest_bytes = json.dumps(manifest, separators=(",", ":")).encode()
         registry.put_manifest(uri.path, uri.reference, manifest_bytes, OCI_MANIFEST)
         return "sha256:" + hashlib.sha256(manifest_bytes).hexdigest()
+
+
+_TAR_MEDIA = {"application/vnd.oci.image.layer.v1.tar": "tar", "application/vnd.oci.image.layer.v1.tar+gzip": "tar+gzip",
+              "application/vnd.docker.image.rootfs.diff.tar.gzip": "tar+gzip"}
+
+
+def _annotations(layer: dict) -> dict:
+    return layer.get("annotations") if isinstance(layer.get("annotations"), dict) else {}
+
+
+def _tar_kind(layer: dict) -> str:
+    """"tar" or "tar+gzip" for a layer that packs a folder, else "". `oras
+    push` labels a plain file ...layer.v1.tar too, so a titled plain tar is a
+    file unless marked for unpacking (oras-go's annotation); a folder oras
+    packs is ...tar+gzip (oras-py marks it no other way); a ModelPack layer
+    says so in its type; an image layer has no title."""
+    annotations = _annotations(layer)
+    media = str(layer.get("mediaType", ""))
+    if media.startswith("application/vnd.cncf.model.") and ".tar" in media:
+        return "tar+gzip" if media.endswith(("gzip", ".gz")) else "tar"
+    kind = _TAR_MEDIA.get(media, "")
+    if not kind:
+        return ""
+    packed = annotations.get("io.deis.oras.content.unpack") == "true" or kind == "tar+gzip"
+    return kind if packed or (TITLE not in annotations and MODELPACK_PATH not in annotations) else ""
 
 
 def _file_digest(path: Path) -> tuple[str, int]:
