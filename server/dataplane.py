@@ -140,12 +140,21 @@ class DataPlane:
     def statuses(self) -> list[ModelStatus]:
         """One status per model, its default version's (the OpenAI list)."""
         names = {model_of(k) for k in self._dispatch.all_keys()}
-        return [self.engine.models.status(self._dispatch.canonical(n)) for n in sorted(names)]
+        return [self._status(self._dispatch.canonical(n)) for n in sorted(names)]
 
     def version_statuses(self) -> list[ModelStatus]:
         """Every version of every model (RepositoryIndex): each entry's served
         versions, and any other version still loaded."""
-        return [self.engine.models.status(k) for k in self._dispatch.all_keys()]
+        return [self._status(k) for k in self._dispatch.all_keys()]
+
+    def _status(self, key: str) -> ModelStatus:
+        """A version's status; a LoRA adapter not loaded names its base from its config."""
+        status = self.engine.models.status(key)
+        if status.base:
+            return status
+        source = self._dispatch.versions.source(model_of(key))  # cached: a listing reads no file again
+        base = getattr(source.config, "base", "") if source is not None else ""
+        return dataclasses.replace(status, base=base) if base else status
 
     def find_status(self, name: str) -> ModelStatus | None:
         """A known model's status (its default version's), None for any other
@@ -153,7 +162,7 @@ class DataPlane:
         try:
             if not self.engine.is_known(name):
                 return None
-            return self.engine.models.status(self._dispatch.key_for(name))
+            return self._status(self._dispatch.key_for(name))
         except ModeldError:
             return None
 

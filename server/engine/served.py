@@ -140,6 +140,7 @@ class ModelTable:
         return ModelStatus(
             name, version, self.state_of(key), self.failures.get(key, ""),
             served.backend.name if served else "", served.loaded.nbytes if served else 0,
+            base=served.config.base if served else "",
         )
 
     def names(self) -> set[str]:
