@@ -250,3 +250,47 @@ def test_an_observer_that_fails_holds_back_no_event():
     request = _request("hello", max_tokens=5)
     tokens, final = _serve(loop, lambda: asyncio.wait_for(_collect(loop, request), 30))
     assert tokens == _expected(request) and final.finish_reason is FinishReason.LENGTH
+
+
+class ArgmaxCountingRunner(CountingRunner):
+    """Counts the steps that asked for argmax only (run_greedy) and those
+    that asked for whole logit rows (run)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.greedy_steps = self.full_steps = 0
+
+    def run_greedy(self, plan):
+        self.greedy_steps += 1
+        return super().run(plan).argmax(axis=1)
+
+    def run(self, plan):
+        self.full_steps += 1
+        return super().run(plan)
+
+
+def test_plain_greedy_steps_take_only_the_argmax_and_others_whole_rows():
+    runner = ArgmaxCountingRunner()
+    loop = GenerationLoop(runner=runner, scheduler=_schedulers()["slots"])
+    greedy = _request("abc", temperature=0.0)
+    tokens, final = _serve(loop, lambda: _collect(loop, greedy))
+    assert tokens == _expected(greedy) and final.finish_reason is FinishReason.LENGTH
+    assert runner.greedy_steps > 0 and runner.full_steps == 0
+    for asks_rows in (_request("abc", temperature=0.0, logprobs=1), _request("abc", temperature=0.0,
+                                                                             presence_penalty=0.5)):
+        runner = ArgmaxCountingRunner()
+        loop = GenerationLoop(runner=runner, scheduler=_schedulers()["slots"])
+        tokens, _ = _serve(loop, lambda: _collect(loop, asks_rows))
+        assert tokens == _expected(asks_rows)  # the stand-in's one 10.0 logit outweighs the penalty
+        # every step that made a token read whole rows (one without rows, a KV operation alone, need not)
+        assert runner.full_steps == asks_rows.params.max_tokens
+
+
+def test_greedy_drafts_are_verified_from_the_argmax_alone():
+    runner = ArgmaxCountingRunner()
+    loop = GenerationLoop(runner=runner, scheduler=_schedulers()["slots"])
+    request = _request("abcabcabcabc", temperature=0.0, max_tokens=12, speculative=SpeculativeMode.NGRAM,
+                       num_speculative_tokens=3)
+    tokens, final = _serve(loop, lambda: _collect(loop, request))
+    assert tokens == _expected(request)
+    assert runner.full_steps == 0 and runner.greedy_steps > 0
