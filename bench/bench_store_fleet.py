@@ -52,6 +52,7 @@ from daemon import metric_sum, start_daemon, start_gateway  # noqa: E402
 from store_servers import start_registry  # noqa: E402
 
 SEED = 31
+FAILURES: list[str] = []  # the first failed calls' reasons
 X = np.ones((1, 4), dtype=np.float32)
 
 
@@ -119,28 +120,20 @@ def infer_sync(address: str, model: str) -> None:
 
 
 def calibrate(root: Path, repo: Path, registry, disk_budget: int, names: list[str]) -> dict:
-    """The daemon's own share once onnxruntime is in, and what one more model
-    adds to the books (the marginal bytes of loads 5 to 8), on a throwaway daemon."""
+    """The daemon's own share once onnxruntime is in, and the bytes the books
+    hold for one model (modeld_loaded_bytes, its load's measured figure), on a
+    throwaway daemon after 8 loads."""
     settings = settings_file(root / "calibrate.toml", root / "cache-calibrate", registry, disk_budget, None)
     daemon = start_daemon("--config", str(settings), "--no-preload", repository=repo)
-
-    def settled_used() -> float:
-        time.sleep(6)  # the daemon's share is the least of its last readings: let them follow the loads
-        return metric_sum(daemon, "modeld_memory_used_bytes")
-
     try:
-        for name in names[:4]:
+        for name in names[:8]:
             infer_sync(daemon.address, name)
-        used_at_4 = settled_used()
-        for name in names[4:8]:
-            infer_sync(daemon.address, name)
-        used_at_8 = settled_used()
+        time.sleep(6)  # the daemon's share is the least of its last readings: let them follow the loads
         daemon_bytes = metric_sum(daemon, "modeld_memory_daemon_bytes")
+        model_bytes = metric_sum(daemon, "modeld_loaded_bytes") / 8
     finally:
         daemon.stop()
-    per_model = max(1, int((used_at_8 - used_at_4) / 4))
-    return {"daemon_bytes": int(daemon_bytes), "model_bytes": per_model,
-            "first_four_bytes": int(used_at_4 - daemon_bytes)}
+    return {"daemon_bytes": int(daemon_bytes), "model_bytes": int(model_bytes)}
 
 
 async def drive(address: str, plan: list[str], clients: int) -> list[tuple[str, float, float, bool]]:
@@ -152,6 +145,7 @@ async def drive(address: str, plan: list[str], clients: int) -> list[tuple[str, 
     inp.set_data_from_numpy(X)
     calls: list[tuple[str, float, float, bool]] = []
     queue = iter(plan)
+    failures = FAILURES
 
     async def one() -> None:
         for model in queue:
@@ -159,8 +153,10 @@ async def drive(address: str, plan: list[str], clients: int) -> list[tuple[str, 
             try:
                 await client.infer(model, [inp], client_timeout=300)
                 ok = True
-            except Exception:  # noqa: BLE001 - counted
+            except Exception as exc:  # noqa: BLE001 - counted, the first reasons kept
                 ok = False
+                if len(failures) < 20:
+                    failures.append(str(exc)[:300])
             calls.append((model, sent, time.time(), ok))
 
     try:
@@ -245,7 +241,7 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--memory-models", type=int, default=20)
     parser.add_argument("--disk-models", type=int, default=60)
-    parser.add_argument("--model-kib", type=int, default=256)
+    parser.add_argument("--model-kib", type=int, default=1024)
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--zipf", type=float, default=1.0)
@@ -264,9 +260,8 @@ def main() -> int:
             names = sorted(uris)
             disk_budget = int((args.disk_models + 0.5) * artifact_bytes)
             measured = calibrate(root, repo, registry, disk_budget, names)
-            # the first models' bytes include onnxruntime's own growth; the rest are each model's share
-            memory_budget = int(measured["daemon_bytes"] + measured["first_four_bytes"]
-                                + (args.memory_models - 4 + 0.5) * measured["model_bytes"])
+            # the daemon's share moves by a few MB as it serves: half a model of slack
+            memory_budget = int(measured["daemon_bytes"] + (args.memory_models + 0.5) * measured["model_bytes"])
             caches = [root / f"cache-{n}" for n in range(args.nodes)]
             from concurrent.futures import ThreadPoolExecutor
 
@@ -291,7 +286,7 @@ def main() -> int:
                 "config": {**vars(args), "artifact_bytes": artifact_bytes, "disk_budget_bytes": disk_budget,
                            "memory_budget_bytes": memory_budget, "calibration": measured},
                 "push_seconds": round(push_s, 1), "drive_seconds": round(elapsed, 1),
-                "calls_per_s": round(len(calls) / elapsed, 1), "failed_calls": sum(1 for c in calls if not c[3]),
+                "calls_per_s": round(len(calls) / elapsed, 1), "failed_calls": sum(1 for c in calls if not c[3]), "failure_samples": FAILURES[:5],
                 "distinct_models_called": len(set(plan)),
                 "tiers_all": tiers(calls, starts, waited, 0.0), "tiers_second_half": tiers(calls, starts, waited, half),
                 "cold_start": {part: percentiles([s[part] for s in starts])
