@@ -205,12 +205,13 @@ def test_min_tokens_holds_back_a_stop_string_that_comes_too_early(model):
     ask = (ChatMessage("user", "Count from one to twenty, one number per line."),)
 
     async def go():
-        free = await _generate(model, messages=ask, max_tokens=40, ignore_eos=True)
+        free = await _generate(model, messages=ask, max_tokens=24, ignore_eos=True)
         # a stop string the greedy answer writes within its first tokens
         first = model.detokenize(free[0][:3])
         stop = first.strip()[:4] or first
-        early = await _generate(model, messages=ask, max_tokens=40, stop=(stop,), ignore_eos=True)
-        held = await _generate(model, messages=ask, max_tokens=40, stop=(stop,), min_tokens=12, ignore_eos=True)
+        early, held = await asyncio.gather(
+            _generate(model, messages=ask, max_tokens=24, stop=(stop,), ignore_eos=True),
+            _generate(model, messages=ask, max_tokens=24, stop=(stop,), min_tokens=12, ignore_eos=True))
         return free, stop, early, held
     (free_tokens, free_text, _), stop, (early_tokens, early_text, early_final), (tokens, text, final) = _run(model, go)
     assert stop in free_text[:free_text.index(stop) + len(stop)]
