@@ -30,6 +30,7 @@ from modeld.backends.load_policy import LoadPolicy
 from modeld.backends.model_config import ModelConfig
 from modeld.backends.registry import BackendRegistry
 from modeld.server.batcher import BatchReport, DynamicBatcher
+from modeld.server.load_priority import run_lowered
 from modeld.server.memory import ModelKey
 from modeld.server.metrics import GenerationMetrics, Metrics
 from modeld.server.os_memory import release_freed_memory
@@ -281,7 +282,7 @@ class ModelLifecycle:
                 if self.workers.isolates(backend, config):
                     loaded = await self.workers.load(backend, config, source.model_dir)
                 else:
-                    loaded = await anyio.to_thread.run_sync(backend.load, config, source.model_dir)
+                    loaded = await anyio.to_thread.run_sync(run_lowered, backend.load, config, source.model_dir)
         except BaseException:
             self.accounting.cancel(key)
             raise
