@@ -9,7 +9,7 @@ size of 0, more hashes than a node can hold): routing then falls back to
 the prompt-text guess (prefix.py) for that node until a new stream's
 snapshot arrives.
 
-The cost is NVIDIA Dynamo's KV router's, with its default weight 1:
+The cost is NVIDIA Dynamo's KV router's (with a larger weight, see OVERLAP_WEIGHT):
 
     cost(node) = overlap_weight * (prompt blocks - blocks the node holds)
                  + blocks active there
@@ -29,7 +29,14 @@ from modeld.gen import node_pb2
 MAX_BLOCK_SIZE = 4096
 MAX_HASHES_PER_NODE = 4_000_000  # far past any cache's blocks: more is a broken stream
 MAX_MODELS_PER_NODE = 4096
-OVERLAP_WEIGHT = 1.0
+# Dynamo's default weight is 1. Here that sent a prompt away from the node
+# holding its blocks as soon as that node had one more call in flight than a
+# cold one (its N prompt blocks against one call's N active blocks): on the
+# 24-conversation bench (bench/bench_kv_routing.py, 3 calls at a time) it
+# served 0.45 of the ideal cached tokens, below round robin's 0.86, with 3x
+# the TTFT. A prefill block costs its 16 positions' compute once; an active
+# block slows each step a little: the overlap weighs 4 times as much.
+OVERLAP_WEIGHT = 4.0
 
 
 class KvEventError(ValueError):
