@@ -164,3 +164,18 @@ async def test_a_route_counts_its_prompt_blocks_active_until_it_finishes(router)
     assert route.node.kv_active_blocks == 3
     route.finish()
     assert route.node.kv_active_blocks == 0
+
+
+async def test_a_holder_with_a_call_in_flight_keeps_the_prompt_over_a_cold_replica(router):
+    # with Dynamo's weight 1, N prompt blocks held were outweighed by one
+    # call's N active blocks; a prefill block weighs more (OVERLAP_WEIGHT)
+    from modeld.server.gateway.kv_index import PromptBlocks
+
+    homes = router.fleet.ring.replicas("llm", 2)
+    blocks = tuple(range(100, 125))
+    for name in homes:
+        _publish(router.fleet.by_name[name], "llm", [])
+    holder = router.fleet.by_name[homes[0]]
+    _publish(holder, "llm", blocks[:-1])
+    holder.kv_active_blocks = len(blocks)  # one call of the same size running there
+    assert router.place("llm", kv=PromptBlocks("llm", 16, blocks))[0] is holder
