@@ -298,6 +298,13 @@ def _short(frame: str) -> str:
 _OURS = ("backends/", "server/", "gen/", "clients/", "modeld/", str(ROOT) + "/")
 
 
+def _in_decode(frame: str) -> bool:
+    """A frame that is llama.cpp's forward pass: LlamaContext._decode's line
+    calling llama_decode (py-spy shows the ctypes call as its caller's line)."""
+    name = frame.partition(" (")[0]
+    return name in ("llama_decode", "_decode", "LlamaContext._decode") or name.endswith(".llama_decode")
+
+
 def _is_modeld(frame: str) -> bool:
     """A frame of modeld's own code (py-spy names files relative to sys.path)."""
     where = frame.partition(" (")[2]
@@ -321,7 +328,7 @@ def summarise_profile(node: Daemon, stacks: dict[int, list[tuple[list[str], int]
                 continue
             if "modeld-compute" in thread:
                 step += count
-                if any(f.startswith(("llama_decode ", "_decode (")) or "llama_decode" in f for f in body[-2:]):
+                if any(_in_decode(f) for f in body[-2:]):
                     decode += count
             leaf[_short(body[-1])] += count
             if "modeld-compute" in thread:
