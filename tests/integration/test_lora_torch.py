@@ -86,6 +86,8 @@ def test_the_adapters_change_the_text(suite):
         assert len(differs) >= 3, recipe.name
 
 
+# slow: the mixed batch below checks every adapter against peft too, in one run
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [r.name for r in RECIPES])
 def test_each_adapter_alone_matches_peft(runtime, adapters, suite, name):
     async def go():
