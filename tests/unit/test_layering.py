@@ -171,6 +171,7 @@ FRONT_MAY_IMPORT = {
     "modeld.server.lifecycle",  # draining, read by health answers
     "modeld.server.stats",  # figures the statistics RPCs encode
     "modeld.server.rerank",  # the rerank parameters' names
+    "modeld.server.tool_calls",  # tool choice and call reading shared by the OpenAI and gRPC fronts (no engine in it)
     "modeld.server.auth",
     "modeld.server.metrics",
     "modeld.server.services",
