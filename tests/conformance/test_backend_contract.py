@@ -235,6 +235,8 @@ _REQUEST_NEEDING = {
     Capability.LOGPROBS: lambda engine, model: _first_event(engine, model, max_tokens=2, logprobs=2),
     Capability.SPECULATIVE_DECODING: lambda engine, model: _first_event(
         engine, model, max_tokens=2, speculative=generation_pb.SPECULATIVE_NGRAM),
+    Capability.CONSTRAINED_DECODING: lambda engine, model: _first_event(
+        engine, model, max_tokens=2, constraint=generation_pb.Constraint(regex="[ab]+")),
 }
 # The rest are how a backend serves, not what a request asks for: lacking them
 # costs speed, never a different answer, so nothing can fail closed on them.
@@ -243,6 +245,8 @@ _NOT_REQUESTABLE = {
     Capability.CONTINUOUS_BATCHING: "no request can ask for it: concurrent Generate calls are served either way",
     Capability.PREFIX_CACHE: "no request can ask for it: cache_prompt is a hint; the prompt is recomputed",
     Capability.GPU: "no request can ask for it: the device is the daemon's choice",
+    Capability.LORA: "no request can ask for it: an adapter is a model of its own (format = \"lora\"), "
+                     "refused at load on a backend that cannot apply it",
 }
 
 
