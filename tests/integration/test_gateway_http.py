@@ -84,7 +84,7 @@ def _streamed_text(client: openai.OpenAI) -> str:
 
 def _stats(daemon) -> node_pb2.NodeStats:
     with grpc.insecure_channel(daemon.address) as channel:
-        return node_pb2_grpc.NodeStub(channel).Stats(node_pb2.NodeStatsRequest(), timeout=5)
+        return node_pb2_grpc.NodeStub(channel).Stats(node_pb2.NodeStatsRequest(), timeout=60)
 
 
 def _served(daemons, model: str):

@@ -57,13 +57,13 @@ def kv_fleet(tmp_path_factory):
 
 def _holds_model(daemon) -> bool:
     with grpc.insecure_channel(daemon.address) as channel:
-        stats = node_pb2_grpc.NodeStub(channel).Stats(node_pb2.NodeStatsRequest(), timeout=5)
+        stats = node_pb2_grpc.NodeStub(channel).Stats(node_pb2.NodeStatsRequest(), timeout=60)
     return any(m.name == MODEL and m.state == "READY" for m in stats.models)
 
 
 def _publishes_model(daemon) -> bool:
     with grpc.insecure_channel(daemon.address) as channel:
-        stream = node_pb2_grpc.NodeStub(channel).WatchKvEvents(node_pb2.WatchKvEventsRequest(), timeout=5)
+        stream = node_pb2_grpc.NodeStub(channel).WatchKvEvents(node_pb2.WatchKvEventsRequest(), timeout=60)
         snapshot = next(stream)
         stream.cancel()
     return snapshot.snapshot and any(m.model == MODEL and m.cache == "slots" for m in snapshot.models)
