@@ -51,18 +51,31 @@ class InferStream:
         self.responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue(maxsize=self.window)
         self.slots = asyncio.Semaphore(self.window)
         self.tasks: set[asyncio.Task] = set()
+        self.failure: BaseException | None = None  # what ended the client's messages early
 
     async def answers(self, request_iterator) -> AsyncIterator[pb.ModelStreamInferResponse]:
         reader = asyncio.get_running_loop().create_task(self._read(request_iterator))
         try:
             while (item := await self.responses.get()) is not None:
                 yield item
+            if self.failure is not None:
+                # raised here, in the call's own task: a refusal the reader met
+                # (a tenant's context.abort on a message) ends the call with its
+                # status instead of leaving the call waiting for answers
+                raise self.failure
         finally:
             reader.cancel()
             for task in list(self.tasks):
                 task.cancel()
 
     async def _read(self, request_iterator) -> None:
+        try:
+            await self._read_messages(request_iterator)
+        except Exception as exc:  # the client's stream failed or a message was refused: the call ends with it
+            self.failure = exc
+            await self.responses.put(None)
+
+    async def _read_messages(self, request_iterator) -> None:
         messages = request_iterator.__aiter__()
         while True:
             await self.slots.acquire()  # before reading: a full window leaves the next message unread
