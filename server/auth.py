@@ -75,7 +75,14 @@ GRPC_ROLES: dict[str, Role | None] = {
     "/modeld.v1.Generation/Detokenize": Role.INFER,
     "/modeld.v1.Node/Stats": Role.INFER,
     "/modeld.v1.Node/WatchStats": Role.INFER,
+    "/modeld.v1.Node/WatchKvEvents": Role.INFER,
+    "/modeld.v1.Node/PromptBlocks": Role.INFER,
 }
+# Methods for the gateway alone: the fleet token (fleet=yes) or an admin
+# token. The KV events show which prompt blocks are cached, and a caller who
+# can hash a guessed prompt (PromptBlocks) could tell whether another tenant
+# sent it.
+FLEET_METHODS = frozenset({"/modeld.v1.Node/WatchKvEvents", "/modeld.v1.Node/PromptBlocks"})
 
 
 def grpc_role(method: str) -> Role | None:
@@ -331,10 +338,11 @@ class Authenticator:
         log.info("auth_tokens_reloaded", path=str(self.path), tokens=len(table), tenants=len(table.limits))
         return True
 
-    def authorize(self, authorization: str | None, needed: Role, action: str) -> Denied | Tenant:
+    def authorize(self, authorization: str | None, needed: Role, action: str,
+                  fleet_only: bool = False) -> Denied | Tenant:
         """The caller's tenant when `authorization` (the header's value) may
         do `action` and its tenant's rate admits one more call (spent),
-        else why not."""
+        else why not. `fleet_only`: the fleet token or an admin token only."""
         if not authorization:
             return Denied(Refusal.UNAUTHENTICATED, (
                 f"{action} needs a token: send the header 'authorization: Bearer <token>' "
@@ -352,6 +360,10 @@ class Authenticator:
         if role < needed:
             return Denied(Refusal.PERMISSION_DENIED,
                           f"{action} needs the '{needed.label}' role; this token has '{role.label}'")
+        if fleet_only and role < Role.ADMIN and not (
+                self.table.fleet is not None and hmac.compare_digest(self.table.fleet, _digest(match.group(1)))):
+            return Denied(Refusal.PERMISSION_DENIED,
+                          f"{action} is the gateway's call: it takes the fleet token (fleet=yes) or an admin token")
         tenant = self.tenants.get(tenant_name)
         over = tenant.admit() if tenant.limited else None
         if over is not None:
@@ -529,7 +541,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 return _proving_handler(handler, proof)
             return handler
         authorization = _metadata_value(metadata, "authorization")
-        verdict = self.authenticator.authorize(authorization, needed, method.rsplit("/", 1)[-1])
+        verdict = self.authenticator.authorize(authorization, needed, method.rsplit("/", 1)[-1],
+                                               fleet_only=method in FLEET_METHODS)
         if isinstance(verdict, Denied):
             if verdict.kind is not Refusal.RESOURCE_EXHAUSTED:  # quota refusals: the tenant's own, rate-limited line
                 log.info("call_refused", method=method, reason=verdict.kind.value)

@@ -158,3 +158,22 @@ auth_token_file = "{tmp_path / 'tokens'}"
     other.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
     with pytest.raises(ConfigError, match="do not make a pair"):
         load_settings({}, environ={}, config_file=config)
+
+
+def test_the_kv_cache_calls_take_the_fleet_token_or_an_admin_token(tmp_path):
+    # which prompt blocks are cached is the gateway's to read: an infer token
+    # could otherwise test whether another tenant sent a guessed prompt
+    fleet, other = "f" * 32, "o" * 32
+    path = tmp_path / "tokens"
+    path.write_text(f"{fleet} infer fleet=yes\n{other} infer tenant=acme\n{ADMIN_TOKEN} admin\n")
+    a = Authenticator(path)
+    for method in auth.FLEET_METHODS:
+        assert grpc_role(method) is Role.INFER
+        action = method.rsplit("/", 1)[-1]
+        assert not isinstance(a.authorize(f"Bearer {fleet}", Role.INFER, action, fleet_only=True), auth.Denied)
+        assert not isinstance(a.authorize(f"Bearer {ADMIN_TOKEN}", Role.INFER, action, fleet_only=True), auth.Denied)
+        refused = a.authorize(f"Bearer {other}", Role.INFER, action, fleet_only=True)
+        assert isinstance(refused, auth.Denied) and refused.kind is Refusal.PERMISSION_DENIED
+        assert "fleet token" in refused.message and other not in refused.message
+        # the same token may still run models
+        assert not isinstance(a.authorize(f"Bearer {other}", Role.INFER, "ModelInfer"), auth.Denied)
