@@ -272,6 +272,14 @@ def main() -> int:
             with ThreadPoolExecutor(args.nodes) as pool:  # a daemon's start is mostly imports: side by side
                 nodes.extend(pool.map(start_node, range(args.nodes)))
             gateway = start_gateway(*(node.address for node in nodes))
+            # calls start once the gateway has seen every node's health say
+            # SERVING: before that it rightly refuses them (UNAVAILABLE), which
+            # would count the gateway's start-up against the store
+            deadline = time.monotonic() + 120
+            while metric_sum(gateway, "modeld_gateway_node_serving") < len(nodes):
+                if time.monotonic() > deadline:
+                    raise SystemExit("the gateway did not see every node serving within 120 s")
+                time.sleep(0.2)
             plan = zipf_plan(names, args.requests, args.zipf)
             began = time.time()
             calls = asyncio.run(drive(gateway.address, plan, args.clients))
