@@ -179,7 +179,8 @@ def serve(args) -> int:
     flags["isolation"] = args.isolation
     flags["insecure"] = args.insecure
     flags["chat_templates"] = args.chat_templates
-    return _run_until_signalled(lambda: load_settings(flags, config_file=args.config), ConfigError, Daemon)
+    return _run_until_signalled(lambda: load_settings(flags, config_file=args.config), ConfigError, Daemon,
+                                loop="asyncio")
 
 
 def make_token(role: str) -> int:
@@ -208,10 +209,10 @@ def gateway(args) -> int:
                                                                    "tls_cert", "tls_key", "tls_client_ca",
                                                                    "auth_token_file")}}
     return _run_until_signalled(lambda: load_gateway_settings(flags, config_file=args.config),
-                                GatewayConfigError, Gateway)
+                                GatewayConfigError, Gateway, loop="uvloop")
 
 
-def _run_until_signalled(load_settings, config_error: type[Exception], server) -> int:
+def _run_until_signalled(load_settings, config_error: type[Exception], server, loop: str) -> int:
     """Settings first (a bad one exits 2 with its reason), then logging, then
     the daemon or gateway until a signal ends it."""
     from modeld.server.logging import configure_logging
@@ -225,7 +226,8 @@ def _run_until_signalled(load_settings, config_error: type[Exception], server) -
     print(f"modeld: {settings.describe()}", file=sys.stderr, flush=True)
     from modeld.server.event_loop import run
 
-    run(server(settings).run_until_signalled())  # uvloop where installed
+    # `loop`: the default, MODELD_EVENT_LOOP overrides it (server/event_loop.py says why the daemon's is asyncio)
+    run(server(settings).run_until_signalled(), default=loop)
     return 0
 
 

@@ -1,11 +1,13 @@
 """The event loop the daemon, the gateway and each worker process run on.
 
-uvloop (libuv) where it is installed: every generated token crosses the
-event loop a few times (the worker's channel, the daemon's stream, the
-HTTP or gRPC write), and uvloop's wake-ups, callbacks and socket writes
-cost less CPU than asyncio's pure-Python selector loop. grpc.aio, uvicorn
-and asyncio subprocesses run on it unchanged. MODELD_EVENT_LOOP=asyncio
-picks the standard loop (to compare, or to rule uvloop out of a fault).
+uvloop (libuv) where it is installed costs less CPU per wake-up, callback
+and socket write than asyncio's pure-Python selector loop, and every
+generated token crosses a loop a few times. The gateway and the workers
+run on it by default. The daemon runs on the standard loop by default:
+with the daemon on uvloop, a worker process it started died with SIGSEGV
+while loading about one start in ten on a busy machine (0 in 30 on the
+standard loop, the same tests). MODELD_EVENT_LOOP=uvloop or =asyncio
+overrides the default for every process that reads it.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import os
 from typing import Any, Coroutine
 
 
-def loop_name() -> str:
+def loop_name(default: str = "uvloop") -> str:
     """"uvloop" or "asyncio": what `run` would start."""
-    if os.environ.get("MODELD_EVENT_LOOP", "uvloop").strip().lower() == "asyncio":
+    if os.environ.get("MODELD_EVENT_LOOP", default).strip().lower() == "asyncio":
         return "asyncio"
     try:
         import uvloop  # noqa: F401
@@ -26,9 +28,9 @@ def loop_name() -> str:
     return "uvloop"
 
 
-def run(main: Coroutine[Any, Any, Any]) -> Any:
-    """asyncio.run(main) on the loop loop_name() names."""
-    if loop_name() == "uvloop":
+def run(main: Coroutine[Any, Any, Any], default: str = "uvloop") -> Any:
+    """asyncio.run(main) on the loop loop_name(default) names."""
+    if loop_name(default) == "uvloop":
         import uvloop
 
         return uvloop.run(main)
