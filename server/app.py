@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
-import socket
 import tempfile
 from pathlib import Path
 
@@ -15,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from modeld.server.http_listen import embedded_server, listen
 from modeld.backends.errors import ErrorKind, ModeldError
 from modeld.backends.registry import BackendRegistry
 from modeld.backends.sizes import format_size
@@ -43,42 +42,6 @@ log = structlog.get_logger("modeld.daemon")
 PROBE_HEADROOM = 256
 
 _HEALTH_BY_STATE = {ModelState.READY: health_pb2.HealthCheckResponse.SERVING}
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """A bound, listening socket: binding here makes a taken port an OSError
-    the daemon reports, where uvicorn would sys.exit from inside the loop."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(2048)
-        sock.setblocking(False)
-    except OSError as exc:
-        sock.close()
-        raise OSError(exc.errno, f"cannot listen for HTTP on {host}:{port} ({exc.strerror}); choose another "
-                                 "--http-port, 0 for a free one, or -1 to turn HTTP off") from None
-    return sock
-
-
-def _uvicorn_server(config):
-    import uvicorn
-
-    class EmbeddedServer(uvicorn.Server):
-        """uvicorn in the daemon's loop. It must not take SIGTERM/SIGINT:
-        signal.signal would replace the loop's handlers, and the daemon's
-        own drain order (health, refuse, finish, exit) must run instead."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            yield
-
-        def install_signal_handlers(self) -> None:  # uvicorn < 0.29
-            pass
-
-    return EmbeddedServer(config)
 
 
 class Daemon:
@@ -212,7 +175,7 @@ class Daemon:
 
         from modeld.server.http.app import build_app
 
-        sock = _listen(s.host, s.http_port)
+        sock = listen(s.host, s.http_port)
         config = uvicorn.Config(
             # bodies up to gRPC's message cap; inference bodies also their
             # model's request size cap (http/common.py, read_body)
@@ -233,7 +196,7 @@ class Daemon:
             # which could not switch certificates on SIGHUP
             config.load()
             config.ssl = self.tls.http_context()
-        self._http = _uvicorn_server(config)
+        self._http = embedded_server(config)
         self.http_port = sock.getsockname()[1]
         self._http_task = asyncio.get_running_loop().create_task(self._http.serve(sockets=[sock]))
         while not self._http.started:

@@ -17,13 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import time
 
 import grpc
 import structlog
 from starlette.routing import Route, Router
 
+from modeld.server.http_listen import embedded_server, listen
 from modeld.server import tenants
 from modeld.server.gateway.failure import CallFailed
 from modeld.server.gateway.http.body import (
@@ -431,7 +431,7 @@ class HttpFront:
     async def start(self, host: str, port: int, grace_s: float) -> int:
         import uvicorn
 
-        sock = _listen(host, port)
+        sock = listen(host, port)
         config = uvicorn.Config(self.app, log_config=None, lifespan="off", access_log=False, server_header=False,
                                 timeout_graceful_shutdown=grace_s, timeout_keep_alive=75)
         if self.tls is not None:
@@ -439,7 +439,7 @@ class HttpFront:
             # names, which could not switch certificates on SIGHUP (server/tls.py)
             config.load()
             config.ssl = self.tls.http_context()
-        self._server = _embedded_server(config)
+        self._server = embedded_server(config)
         self.port = sock.getsockname()[1]
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
@@ -492,36 +492,3 @@ def _first_telling(answers: list, path: str) -> Answer:
     return failure_answer(path, answers[0])
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """A bound, listening socket: a taken port is an OSError the gateway
-    reports, where uvicorn would sys.exit from inside the loop."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(2048)
-        sock.setblocking(False)
-    except OSError as exc:
-        sock.close()
-        raise OSError(exc.errno, f"cannot listen for HTTP on {host}:{port} ({exc.strerror}); choose another "
-                                 "--http-port, 0 for a free one, or -1 to turn HTTP off") from None
-    return sock
-
-
-def _embedded_server(config):
-    import uvicorn
-
-    class EmbeddedServer(uvicorn.Server):
-        """uvicorn in the gateway's loop, without its signal handlers: the
-        gateway's own stop order must run on SIGTERM."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            yield
-
-        def install_signal_handlers(self) -> None:
-            pass
-
-    return EmbeddedServer(config)
