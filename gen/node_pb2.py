@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _modeld_pool.POOL.AddSerializedFile(b'\n\nnode.proto\x12\tmodeld.v1\"\x12\n\x10NodeStatsRequest\"(\n\x11WatchStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\xb8\x02\n\tModelLoad\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x15\n\rkv_cells_used\x18\x07 \x01(\x04\x12\x19\n\x11kv_cells_capacity\x18\x08 \x01(\x04\x12\x15\n\rp99_latency_s\x18\t \x01(\x01\x12\x15\n\rp95_latency_s\x18\n \x01(\x01\x12\x15\n\rrequest_count\x18\x0b \x01(\x04\x12\x15\n\rfailure_count\x18\x0c \x01(\x04\x12\x17\n\x0fpull_bytes_done\x18\r \x01(\x04\x12\x18\n\x10pull_bytes_total\x18\x0e \x01(\x04\"\xa0\x03\n\tNodeStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12$\n\x06models\x18\x02 \x03(\x0b\x32\x14.modeld.v1.ModelLoad\x12\x19\n\x11memory_used_bytes\x18\x03 \x01(\x04\x12\x1b\n\x13memory_budget_bytes\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x15\n\rkv_cells_used\x18\x07 \x01(\x04\x12\x19\n\x11kv_cells_capacity\x18\x08 \x01(\x04\x12\x10\n\x08uptime_s\x18\t \x01(\x01\x12\x1d\n\x15gpu_memory_used_bytes\x18\n \x01(\x04\x12\x1e\n\x16gpu_memory_total_bytes\x18\x0b \x01(\x04\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x37\n\x12unhealthy_backends\x18\r \x03(\x0b\x32\x1b.modeld.v1.UnhealthyBackend\x12\x1b\n\x13\x64\x61\x65mon_memory_bytes\x18\x0e \x01(\x04\x12\x11\n\thttp_port\x18\x0f \x01(\r\"D\n\x10UnhealthyBackend\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nretry_in_s\x18\x03 \x01(\x01\"+\n\x14WatchKvEventsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"X\n\x08KvEvents\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12(\n\x06models\x18\x02 \x03(\x0b\x32\x18.modeld.v1.ModelKvEvents\x12\x10\n\x08sequence\x18\x03 \x01(\x04\"s\n\rModelKvEvents\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x0e\n\x06stored\x18\x03 \x03(\x06\x12\x0f\n\x07removed\x18\x04 \x03(\x06\x12\x0f\n\x07\x63leared\x18\x05 \x01(\x08\x12\r\n\x05\x63\x61\x63he\x18\x06 \x01(\t\"K\n\x13PromptBlocksRequest\x12\x12\n\x08generate\x18\x01 \x01(\x0cH\x00\x12\x15\n\x0bmodel_infer\x18\x02 \x01(\x0cH\x00\x42\t\n\x07request\"d\n\x14PromptBlocksResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x0e\n\x06hashes\x18\x03 \x03(\x06\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r2\xa0\x02\n\x04Node\x12:\n\x05Stats\x12\x1b.modeld.v1.NodeStatsRequest\x1a\x14.modeld.v1.NodeStats\x12\x42\n\nWatchStats\x12\x1c.modeld.v1.WatchStatsRequest\x1a\x14.modeld.v1.NodeStats0\x01\x12G\n\rWatchKvEvents\x12\x1f.modeld.v1.WatchKvEventsRequest\x1a\x13.modeld.v1.KvEvents0\x01\x12O\n\x0cPromptBlocks\x12\x1e.modeld.v1.PromptBlocksRequest\x1a\x1f.modeld.v1.PromptBlocksResponseb\x06proto3')
+DESCRIPTOR = _modeld_pool.POOL.AddSerializedFile(b'\n\nnode.proto\x12\tmodeld.v1\"\x12\n\x10NodeStatsRequest\"(\n\x11WatchStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\xdd\x02\n\tModelLoad\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x15\n\rkv_cells_used\x18\x07 \x01(\x04\x12\x19\n\x11kv_cells_capacity\x18\x08 \x01(\x04\x12\x15\n\rp99_latency_s\x18\t \x01(\x01\x12\x15\n\rp95_latency_s\x18\n \x01(\x01\x12\x15\n\rrequest_count\x18\x0b \x01(\x04\x12\x15\n\rfailure_count\x18\x0c \x01(\x04\x12\x17\n\x0fpull_bytes_done\x18\r \x01(\x04\x12\x18\n\x10pull_bytes_total\x18\x0e \x01(\x04\x12\x0c\n\x04\x62\x61se\x18\x0f \x01(\t\x12\x15\n\rwait_for_pull\x18\x10 \x01(\x08\"\xa0\x03\n\tNodeStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12$\n\x06models\x18\x02 \x03(\x0b\x32\x14.modeld.v1.ModelLoad\x12\x19\n\x11memory_used_bytes\x18\x03 \x01(\x04\x12\x1b\n\x13memory_budget_bytes\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x15\n\rkv_cells_used\x18\x07 \x01(\x04\x12\x19\n\x11kv_cells_capacity\x18\x08 \x01(\x04\x12\x10\n\x08uptime_s\x18\t \x01(\x01\x12\x1d\n\x15gpu_memory_used_bytes\x18\n \x01(\x04\x12\x1e\n\x16gpu_memory_total_bytes\x18\x0b \x01(\x04\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x37\n\x12unhealthy_backends\x18\r \x03(\x0b\x32\x1b.modeld.v1.UnhealthyBackend\x12\x1b\n\x13\x64\x61\x65mon_memory_bytes\x18\x0e \x01(\x04\x12\x11\n\thttp_port\x18\x0f \x01(\r\"D\n\x10UnhealthyBackend\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nretry_in_s\x18\x03 \x01(\x01\"+\n\x14WatchKvEventsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"X\n\x08KvEvents\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12(\n\x06models\x18\x02 \x03(\x0b\x32\x18.modeld.v1.ModelKvEvents\x12\x10\n\x08sequence\x18\x03 \x01(\x04\"s\n\rModelKvEvents\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x0e\n\x06stored\x18\x03 \x03(\x06\x12\x0f\n\x07removed\x18\x04 \x03(\x06\x12\x0f\n\x07\x63leared\x18\x05 \x01(\x08\x12\r\n\x05\x63\x61\x63he\x18\x06 \x01(\t\"K\n\x13PromptBlocksRequest\x12\x12\n\x08generate\x18\x01 \x01(\x0cH\x00\x12\x15\n\x0bmodel_infer\x18\x02 \x01(\x0cH\x00\x42\t\n\x07request\"d\n\x14PromptBlocksResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x0e\n\x06hashes\x18\x03 \x03(\x06\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r2\xa0\x02\n\x04Node\x12:\n\x05Stats\x12\x1b.modeld.v1.NodeStatsRequest\x1a\x14.modeld.v1.NodeStats\x12\x42\n\nWatchStats\x12\x1c.modeld.v1.WatchStatsRequest\x1a\x14.modeld.v1.NodeStats0\x01\x12G\n\rWatchKvEvents\x12\x1f.modeld.v1.WatchKvEventsRequest\x1a\x13.modeld.v1.KvEvents0\x01\x12O\n\x0cPromptBlocks\x12\x1e.modeld.v1.PromptBlocksRequest\x1a\x1f.modeld.v1.PromptBlocksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,21 +37,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHSTATSREQUEST']._serialized_start=45
   _globals['_WATCHSTATSREQUEST']._serialized_end=85
   _globals['_MODELLOAD']._serialized_start=88
-  _globals['_MODELLOAD']._serialized_end=400
-  _globals['_NODESTATS']._serialized_start=403
-  _globals['_NODESTATS']._serialized_end=819
-  _globals['_UNHEALTHYBACKEND']._serialized_start=821
-  _globals['_UNHEALTHYBACKEND']._serialized_end=889
-  _globals['_WATCHKVEVENTSREQUEST']._serialized_start=891
-  _globals['_WATCHKVEVENTSREQUEST']._serialized_end=934
-  _globals['_KVEVENTS']._serialized_start=936
-  _globals['_KVEVENTS']._serialized_end=1024
-  _globals['_MODELKVEVENTS']._serialized_start=1026
-  _globals['_MODELKVEVENTS']._serialized_end=1141
-  _globals['_PROMPTBLOCKSREQUEST']._serialized_start=1143
-  _globals['_PROMPTBLOCKSREQUEST']._serialized_end=1218
-  _globals['_PROMPTBLOCKSRESPONSE']._serialized_start=1220
-  _globals['_PROMPTBLOCKSRESPONSE']._serialized_end=1320
-  _globals['_NODE']._serialized_start=1323
-  _globals['_NODE']._serialized_end=1611
+  _globals['_MODELLOAD']._serialized_end=437
+  _globals['_NODESTATS']._serialized_start=440
+  _globals['_NODESTATS']._serialized_end=856
+  _globals['_UNHEALTHYBACKEND']._serialized_start=858
+  _globals['_UNHEALTHYBACKEND']._serialized_end=926
+  _globals['_WATCHKVEVENTSREQUEST']._serialized_start=928
+  _globals['_WATCHKVEVENTSREQUEST']._serialized_end=971
+  _globals['_KVEVENTS']._serialized_start=973
+  _globals['_KVEVENTS']._serialized_end=1061
+  _globals['_MODELKVEVENTS']._serialized_start=1063
+  _globals['_MODELKVEVENTS']._serialized_end=1178
+  _globals['_PROMPTBLOCKSREQUEST']._serialized_start=1180
+  _globals['_PROMPTBLOCKSREQUEST']._serialized_end=1255
+  _globals['_PROMPTBLOCKSRESPONSE']._serialized_start=1257
+  _globals['_PROMPTBLOCKSRESPONSE']._serialized_end=1357
+  _globals['_NODE']._serialized_start=1360
+  _globals['_NODE']._serialized_end=1648
 # @@protoc_insertion_point(module_scope)

@@ -17,7 +17,7 @@ class WatchStatsRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class ModelLoad(_message.Message):
-    __slots__ = ("name", "backend", "state", "memory_bytes", "in_flight", "queue_depth", "kv_cells_used", "kv_cells_capacity", "p99_latency_s", "p95_latency_s", "request_count", "failure_count", "pull_bytes_done", "pull_bytes_total")
+    __slots__ = ("name", "backend", "state", "memory_bytes", "in_flight", "queue_depth", "kv_cells_used", "kv_cells_capacity", "p99_latency_s", "p95_latency_s", "request_count", "failure_count", "pull_bytes_done", "pull_bytes_total", "base", "wait_for_pull")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,8 @@ class ModelLoad(_message.Message):
     FAILURE_COUNT_FIELD_NUMBER: _ClassVar[int]
     PULL_BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
     PULL_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_PULL_FIELD_NUMBER: _ClassVar[int]
     name: str
     backend: str
     state: str
@@ -46,7 +48,9 @@ class ModelLoad(_message.Message):
     failure_count: int
     pull_bytes_done: int
     pull_bytes_total: int
-    def __init__(self, name: _Optional[str] = ..., backend: _Optional[str] = ..., state: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_cells_used: _Optional[int] = ..., kv_cells_capacity: _Optional[int] = ..., p99_latency_s: _Optional[float] = ..., p95_latency_s: _Optional[float] = ..., request_count: _Optional[int] = ..., failure_count: _Optional[int] = ..., pull_bytes_done: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ...) -> None: ...
+    base: str
+    wait_for_pull: bool
+    def __init__(self, name: _Optional[str] = ..., backend: _Optional[str] = ..., state: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., in_flight: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_cells_used: _Optional[int] = ..., kv_cells_capacity: _Optional[int] = ..., p99_latency_s: _Optional[float] = ..., p95_latency_s: _Optional[float] = ..., request_count: _Optional[int] = ..., failure_count: _Optional[int] = ..., pull_bytes_done: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., base: _Optional[str] = ..., wait_for_pull: _Optional[bool] = ...) -> None: ...
 
 class NodeStats(_message.Message):
     __slots__ = ("node_id", "models", "memory_used_bytes", "memory_budget_bytes", "in_flight", "queue_depth", "kv_cells_used", "kv_cells_capacity", "uptime_s", "gpu_memory_used_bytes", "gpu_memory_total_bytes", "draining", "unhealthy_backends", "daemon_memory_bytes", "http_port")
