@@ -357,7 +357,8 @@ class DataPlane:
         """Each version's load (a gateway reads a model as here while any of them is ready)."""
         held = self._bytes_by_model()
         models = self.engine.models
-        return [_load_of(models.status(k), models.stats(k), held.get(k, 0), models.get(k))
+        # _status: an adapter names its base whether loaded or not (a gateway places it by the base)
+        return [_load_of(self._status(k), models.stats(k), held.get(k, 0), models.get(k))
                 for k in self._dispatch.all_keys()]
 
     def _bytes_by_model(self) -> dict[str, int]:

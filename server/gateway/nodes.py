@@ -8,6 +8,7 @@ import contextlib
 import hmac
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import grpc
@@ -90,6 +91,7 @@ class Node:
         self.in_flight = 0          # calls this gateway has open on the node
         self._score, self._score_at = 1.0, -1.0
         self._ready_models: frozenset[str] = frozenset()
+        self.bases: dict[str, str] = {}  # LoRA adapter -> its base model, as the node's repository lists it
         self.pulling: dict[str, tuple[int, int]] = {}  # model -> (bytes done, total) while the node pulls it
         self.kv = NodeKvIndex()  # its prefix caches, from its WatchKvEvents stream
         self.kv_active_blocks = 0  # prompt blocks of the KV-routed generations this gateway has open here
@@ -389,11 +391,18 @@ class Node:
         self.health.set_in_flight(max(self.in_flight, stats.in_flight))
         first = self.stats_at == 0.0
         self.stats, self.stats_at = stats, time.monotonic()
-        self._ready_models = frozenset(m.name for m in stats.models if m.state == "READY")
+        bases = {m.name: m.base for m in stats.models if m.base}
+        ready = {m.name for m in stats.models if m.state == "READY"}
+        # an adapter of a READY base counts as resident: it loads onto the
+        # base in milliseconds (a few MiB), where another node would load the base first
+        self._ready_models = frozenset(ready | {a for a, b in bases.items() if b in ready})
+        bases_changed, self.bases = bases != self.bases, bases
         self.pulling = {m.name: (m.pull_bytes_done, m.pull_bytes_total) for m in stats.models if m.state == "PULLING"}
         if self.settings.dns and (first or stats.node_id and stats.node_id != self.name):
             self.name = stats.node_id or self.address
             self._on_change(self)
+        elif bases_changed:
+            self._on_change(self)  # the fleet's adapter -> base map (Fleet.ring_key)
 
     def _on_transition(self, old: BreakerState, new: BreakerState) -> None:
         self.metrics.breaker_state.labels(self.address).set(BREAKER_VALUE[new.value])
@@ -420,6 +429,7 @@ class Fleet:
         self.ring = HashRing(settings.vnodes)
         self.by_address: dict[str, Node] = {}
         self.by_name: dict[str, Node] = {}
+        self._bases: dict[str, str] = {}  # adapter -> base, over the nodes' repositories
         self.listeners: list[Callable[[], None]] = []
         self._closing: set[asyncio.Task] = set()
 
@@ -452,8 +462,24 @@ class Fleet:
         for name in wanted.keys() - self.ring.nodes:
             self.ring.add(name)
         self.by_name = wanted
+        self._bases = _fleet_bases(self.by_address.values())
         for listener in self.listeners:
             listener()
+
+    def ring_key(self, model: str) -> str:
+        """What the ring hashes for `model`: a LoRA adapter's base, so the
+        adapter's calls go to the nodes its base lives on (an adapter runs
+        on its base's weights: another node would load the base as well);
+        any other model's own name."""
+        return self._bases.get(model, model)
+
+    def base_of(self, model: str) -> str:
+        """A LoRA adapter's base model; "" for any other model."""
+        return self._bases.get(model, "")
+
+    def replicas(self, model: str, k: int) -> list[str]:
+        """The model's k homes on the ring (its base's, for an adapter)."""
+        return self.ring.replicas(self.ring_key(model), k)
 
     def node(self, name: str) -> Node:
         return self.by_name[name]
@@ -470,3 +496,17 @@ class Fleet:
 
     async def close(self) -> None:
         await asyncio.gather(*(n.close() for n in self.by_address.values()))
+
+
+def _fleet_bases(nodes) -> dict[str, str]:
+    """adapter -> base over every node's Stats. Each node lists its whole
+    repository (models not loaded included), so an adapter no node has
+    loaded yet is known from the first Stats on, and its first call already
+    goes to its base's homes. Nodes whose repositories disagree: the base
+    most of them name, the first in name order among equals, so every
+    gateway picks the same."""
+    votes: dict[str, Counter] = {}
+    for node in nodes:
+        for adapter, base in node.bases.items():
+            votes.setdefault(adapter, Counter())[base] += 1
+    return {adapter: min(count, key=lambda b: (-count[b], b)) for adapter, count in votes.items()}

@@ -174,7 +174,8 @@ class Router:
                                 rng=self.rng, min_score=self.settings.min_score)
             return Pick(pick.node, "any") if pick is not None and not update else pick
         prefix = (self.prefixes.match(key) or None) if key and kv is None else None
-        return place(model, self.fleet.ring, self.settings.replicas, admitted=admitted, load=self._load,
+        return place(self.fleet.ring_key(model), self.fleet.ring, self.settings.replicas, admitted=admitted,
+                     load=self._load,
                      score=self._score, rng=self.rng, min_score=self.settings.min_score,
                      bound=self.settings.load_bound,
                      loaded=lambda name: self.fleet.by_name[name].has_model(model), prefix=prefix,
@@ -219,7 +220,7 @@ class Router:
             return None
         if self.fleet.mean_load() > self.settings.hedge_max_fleet_load:
             return None
-        for name in self.fleet.ring.replicas(model, self.settings.replicas):
+        for name in self.fleet.replicas(model, self.settings.replicas):
             node = self.fleet.by_name.get(name)
             if node is None or node is primary or not node.routable:
                 continue

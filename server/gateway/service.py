@@ -296,7 +296,7 @@ class GatewayService:
         hold it not at all yet)."""
         opts = CallOptions(context)
         model = await self._model(data, 1)
-        targets = [self.fleet.by_name[n] for n in self.fleet.ring.replicas(model, self.settings.replicas)
+        targets = [self.fleet.by_name[n] for n in self.fleet.replicas(model, self.settings.replicas)
                    if self.fleet.by_name[n].routable]
         if not targets:
             node, _ = self.router.place(model, update=opts.update)  # a spill target, or UNAVAILABLE
@@ -322,7 +322,7 @@ class GatewayService:
                 raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, "model_name is empty")
             # `usable`, not `routable`: a replica that is only late with its
             # Stats (busy, say loading another model) still gets its copy
-            targets = [self.fleet.by_name[n] for n in self.fleet.ring.replicas(model, self.settings.replicas)
+            targets = [self.fleet.by_name[n] for n in self.fleet.replicas(model, self.settings.replicas)
                        if self.fleet.by_name[n].usable]
             if not targets:
                 raise CallFailed(_UNAVAILABLE, self.router.why_unavailable(model))

@@ -145,6 +145,7 @@ def _model_load(load: ModelLoad) -> pb.ModelLoad:
         kv_cells_capacity=load.kv_cells_capacity,
         pull_bytes_done=status.pull_done,
         pull_bytes_total=status.pull_total,
+        base=status.base,
     )
 
 

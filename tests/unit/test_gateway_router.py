@@ -179,3 +179,47 @@ async def test_a_holder_with_a_call_in_flight_keeps_the_prompt_over_a_cold_repli
     _publish(holder, "llm", blocks[:-1])
     holder.kv_active_blocks = len(blocks)  # one call of the same size running there
     assert router.place("llm", kv=PromptBlocks("llm", 16, blocks))[0] is holder
+
+
+def _stats(*models):
+    from modeld.gen import node_pb2
+
+    return node_pb2.NodeStats(models=[node_pb2.ModelLoad(name=n, state=s, base=b) for n, s, b in models])
+
+
+def _adapter_whose_homes_differ(router, base: str) -> str:
+    """An adapter name whose own ring homes are not its base's: otherwise a
+    router hashing the adapter's own name would pass by luck."""
+    base_homes = set(router.fleet.ring.replicas(base, 2))
+    return next(name for name in (f"{base}-adapter-{i}" for i in range(100))
+                if set(router.fleet.ring.replicas(name, 2)) != base_homes)
+
+
+async def test_an_adapter_goes_to_its_base_s_homes_before_any_node_loaded_it(router):
+    adapter = _adapter_whose_homes_differ(router, "smollm2-torch")
+    for node in router.fleet.nodes():  # every repository lists it, none has it loaded
+        node._take_stats(_stats(("smollm2-torch", "UNAVAILABLE", ""), (adapter, "UNAVAILABLE", "smollm2-torch")))
+    assert router.fleet.ring_key(adapter) == "smollm2-torch"
+    homes = set(router.fleet.ring.replicas("smollm2-torch", 2))
+    assert {router.place(adapter)[0].name for _ in range(50)} == homes
+    assert set(router.fleet.replicas(adapter, 2)) == homes  # loads and unloads fan out there too
+
+
+async def test_an_adapter_goes_where_its_base_is_resident(router):
+    adapter = _adapter_whose_homes_differ(router, "smollm2-torch")
+    first, second = router.fleet.ring.replicas("smollm2-torch", 2)
+    for node in router.fleet.nodes():
+        state = "READY" if node.name == second else "UNAVAILABLE"
+        node._take_stats(_stats(("smollm2-torch", state, ""), (adapter, "UNAVAILABLE", "smollm2-torch")))
+    assert {router.place(adapter)[0].name for _ in range(30)} == {second}
+
+
+def test_nodes_that_disagree_on_a_base_settle_on_the_one_most_name():
+    from types import SimpleNamespace
+
+    from modeld.server.gateway.nodes import _fleet_bases
+
+    nodes = [SimpleNamespace(bases={"sql": "b2"}), SimpleNamespace(bases={"sql": "b1", "chat": "b1"}),
+             SimpleNamespace(bases={"sql": "b2"}), SimpleNamespace(bases={})]
+    assert _fleet_bases(nodes) == {"sql": "b2", "chat": "b1"}
+    assert _fleet_bases([SimpleNamespace(bases={"x": "z"}), SimpleNamespace(bases={"x": "a"})]) == {"x": "a"}

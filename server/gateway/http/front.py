@@ -392,7 +392,7 @@ class HttpFront:
 
     def _replicas(self, model: str, usable: bool = False) -> list:
         by_name = self.fleet.by_name
-        names = self.fleet.ring.replicas(model, self.settings.replicas)
+        names = self.fleet.replicas(model, self.settings.replicas)
         return [by_name[n] for n in names if (by_name[n].usable if usable else by_name[n].routable)]
 
     async def _model_ready(self, scope, body: bytes, opts: HttpCallOptions) -> Answer:
