@@ -58,6 +58,14 @@ class Isolation(StrEnum):
 MODEL_ISOLATIONS = (Isolation.PROCESS, Isolation.IN_PROCESS)
 
 
+class WhilePulling(StrEnum):
+    """What a gateway does with calls for a model while one of its replicas
+    pulls it from the store (docs/store.md, "On a fleet")."""
+
+    ROUTE = "route"  # send them to a replica that has it ready, while one has
+    WAIT = "wait"    # the pulling replica is a home like a ready one: calls placed there wait for its pull
+
+
 class ToolParser(StrEnum):
     """How a language model writes a tool call in its output
     (server/http/tool_parsers.py reads it back)."""
@@ -173,6 +181,9 @@ class ModelConfig:
     # `source = "oci://..."` (or s3://, hf://): the model's files come from a
     # store, pulled into the daemon's disk cache on first load
     source: str = ""
+    # what a gateway does with calls while a replica pulls the model (Node
+    # Stats carries it with the PULLING state)
+    while_pulling: WhilePulling = WhilePulling.ROUTE
     # more names the model answers to (vLLM's --served-model-name); its own name stays
     served_names: tuple[str, ...] = ()
     version_policy: VersionPolicy = VersionPolicy()  # numbered version folders that serve (Triton's)
@@ -232,7 +243,7 @@ def config_from_json(name: str, text: str) -> ModelConfig:
 _KNOWN_KEYS = {
     "format", "backends", "artifact", "batching", "memory_estimate", "warmup",
     "pinned", "lazy_load", "inputs", "outputs", "text", "name", "kind", "rerank", "limits", "isolation", "source", "served_names",
-    "embedding", "chat_template", "tool_parser", "reasoning_parser", "base", "lora", "version_policy", *OPTIONS_BY_BACKEND,
+    "while_pulling", "embedding", "chat_template", "tool_parser", "reasoning_parser", "base", "lora", "version_policy", *OPTIONS_BY_BACKEND,
 }
 
 
@@ -278,6 +289,7 @@ def config_from_dict(name: str, raw: dict[str, Any]) -> ModelConfig:
         matryoshka_dimensions=_matryoshka(name, reader.table("embedding")),
         isolation=_isolation(reader),
         source=_source(reader),
+        while_pulling=reader.enum("while_pulling", WhilePulling, WhilePulling.ROUTE),
         served_names=_served_names(reader),
         version_policy=parse_version_policy(name, raw.get("version_policy")),
         chat_template=_safe_relative(name, reader.str("chat_template", ""), "chat_template"),

@@ -60,4 +60,5 @@ class ModelStatus:
     # while PULLING: bytes of its files fetched (or found in the cache) and in all
     pull_done: int = 0
     pull_total: int = 0
+    waits_for_pull: bool = False  # while PULLING: the model's while_pulling = "wait"
     base: str = ""  # a LoRA adapter's base model; "" for every other model

@@ -27,7 +27,7 @@ from modeld.backends.errors import (
 )
 from modeld.backends.generation.params import FinalEvent, GenerateRequest, SamplingParams
 from modeld.backends.load_policy import LoadPolicy
-from modeld.backends.model_config import ModelConfig
+from modeld.backends.model_config import ModelConfig, WhilePulling
 from modeld.backends.registry import BackendRegistry
 from modeld.server.batcher import BatchReport, DynamicBatcher
 from modeld.server.load_priority import run_lowered
@@ -215,7 +215,8 @@ class ModelLifecycle:
     async def _pull(self, name: str, source: ModelSource) -> ModelSource:
         """Fetch a store model's files into the disk cache (PULLING meanwhile)."""
         future, progress = self.repository.start_pull(source)
-        self.models.pulling[name] = (source.config.source, progress)
+        self.models.pulling[name] = (source.config.source, progress,
+                                     source.config.while_pulling is WhilePulling.WAIT)
         self.models.notify(name, ModelState.PULLING)
         try:
             pulled = await asyncio.shield(future)

@@ -76,7 +76,8 @@ class ModelTable:
         self.loading: dict[str, asyncio.Task] = {}
         self.unloading: set[str] = set()
         self.failures: dict[str, str] = {}  # the reason the last load failed
-        self.pulling: dict[str, tuple[str, Progress]] = {}  # store models being fetched: URI and bytes
+        # store models being fetched: URI, bytes, and whether a gateway's calls wait for the pull
+        self.pulling: dict[str, tuple[str, Progress, bool]] = {}
         self.pulled_dirs: dict[str, Path] = {}  # store models pulled and loading: their cache folders
         self.aliases: dict[str, str] = {}  # served models' served_names -> their names
         self._stats: dict[str, ModelStats] = {}
@@ -133,10 +134,10 @@ class ModelTable:
         pulling = self.pulling.get(key) if served is None else None
         name, version = model_of(key), version_of(key)
         if pulling is not None:
-            uri, progress = pulling
+            uri, progress, waits = pulling
             return ModelStatus(name, version, ModelState.PULLING,
                                f"pulling {uri}: {progress.done} of {progress.total} bytes",
-                               pull_done=progress.done, pull_total=progress.total)
+                               pull_done=progress.done, pull_total=progress.total, waits_for_pull=waits)
         return ModelStatus(
             name, version, self.state_of(key), self.failures.get(key, ""),
             served.backend.name if served else "", served.loaded.nbytes if served else 0,

@@ -223,7 +223,8 @@ def _place_on_replicas(
         # a replica still pulling the model from the store would hold the
         # call until its download and load finish: while another has the
         # model ready, it is no candidate (with none ready it is the one
-        # that will serve first, so the call waits there)
+        # that will serve first, so the call waits there). A model set to
+        # while_pulling = "wait" comes in `loaded` instead, not here.
         eligible = [r for r in eligible if not pulling(r)]
     # A replica that must load the model first pays seconds for that call
     # and may evict another model, which the next call of that one pays for

@@ -93,6 +93,7 @@ class Node:
         self._ready_models: frozenset[str] = frozenset()
         self.bases: dict[str, str] = {}  # LoRA adapter -> its base model, as the node's repository lists it
         self.pulling: dict[str, tuple[int, int]] = {}  # model -> (bytes done, total) while the node pulls it
+        self._pull_waits: frozenset[str] = frozenset()  # of those, models whose calls wait for it (while_pulling)
         self.kv = NodeKvIndex()  # its prefix caches, from its WatchKvEvents stream
         self.kv_active_blocks = 0  # prompt blocks of the KV-routed generations this gateway has open here
         self.calls: set[asyncio.Task] = set()   # tasks awaiting a unary call here
@@ -133,6 +134,21 @@ class Node:
         """The node is fetching the model from the store (issue 31's
         PULLING): it will serve it, but not yet."""
         return model in self.pulling
+
+    def resident_for(self, model: str) -> bool:
+        """What placement counts as holding the model: ready, or pulling it
+        with calls waiting there (while_pulling = "wait")."""
+        return model in self._ready_models or model in self._pull_waits
+
+    def routes_around_pull(self, model: str) -> bool:
+        """Pulling a model whose calls go elsewhere while a replica has it
+        ready (its while_pulling = "route", the default)."""
+        return model in self.pulling and model not in self._pull_waits
+
+    def waits_for_pull(self, model: str) -> bool:
+        """Pulling a model whose calls count the node as a home already
+        (while_pulling = "wait"): calls placed here wait for the pull."""
+        return model in self._pull_waits
 
     def score(self) -> float:
         """The health score, recomputed at most every SCORE_TTL_S: it moves
@@ -397,7 +413,14 @@ class Node:
         # base in milliseconds (a few MiB), where another node would load the base first
         self._ready_models = frozenset(ready | {a for a, b in bases.items() if b in ready})
         bases_changed, self.bases = bases != self.bases, bases
-        self.pulling = {m.name: (m.pull_bytes_done, m.pull_bytes_total) for m in stats.models if m.state == "PULLING"}
+        pulling = {m.name: (m.pull_bytes_done, m.pull_bytes_total) for m in stats.models if m.state == "PULLING"}
+        started = pulling.keys() - self.pulling.keys()
+        self.pulling = pulling
+        self._pull_waits = frozenset(m.name for m in stats.models if m.state == "PULLING" and m.wait_for_pull)
+        for model in sorted(started):  # once per pull: an operator sees where calls for the model go meanwhile
+            log.info("node_pulling", node=self.name, address=self.address, model=model,
+                     calls="wait" if model in self._pull_waits else "route",
+                     bytes_done=pulling[model][0], bytes_total=pulling[model][1])
         if self.settings.dns and (first or stats.node_id and stats.node_id != self.name):
             self.name = stats.node_id or self.address
             self._on_change(self)

@@ -178,9 +178,9 @@ class Router:
                      load=self._load,
                      score=self._score, rng=self.rng, min_score=self.settings.min_score,
                      bound=self.settings.load_bound,
-                     loaded=lambda name: self.fleet.by_name[name].has_model(model), prefix=prefix,
+                     loaded=lambda name: self.fleet.by_name[name].resident_for(model), prefix=prefix,
                      fleet_load=None if exclude or not strict else self._fleet_load(), kv=kv,
-                     pulling=lambda name: self.fleet.by_name[name].is_pulling(model))
+                     pulling=lambda name: self.fleet.by_name[name].routes_around_pull(model))
 
     def _count_pick(self, node: Node, pick: Pick) -> str:
         reason = getattr(pick.reason, "value", pick.reason)

@@ -146,6 +146,7 @@ def _model_load(load: ModelLoad) -> pb.ModelLoad:
         pull_bytes_done=status.pull_done,
         pull_bytes_total=status.pull_total,
         base=status.base,
+        wait_for_pull=status.waits_for_pull,
     )
 
 
