@@ -29,6 +29,8 @@ from modeld.gen import node_pb2, node_pb2_grpc
 from polling import wait_until
 
 TOKEN = "gateway-http-test-token-0123456789"
+METERED = "gateway-http-metered-0123456789"   # tenant gamma: 4 generated tokens per minute
+COUNTED = "gateway-http-counted-0123456789"   # tenant delta: 2 generated tokens per minute
 MAX_BODY = 64 * 1024
 CHAT = [{"role": "user", "content": "Name three colours."}]
 
@@ -56,7 +58,8 @@ def fleet(tmp_path_factory):
     config = tmp_path_factory.mktemp("gateway") / "gateway.toml"
     config.write_text(f"[gateway]\nhttp_max_body_bytes = {MAX_BODY}\n")
     tokens = config.parent / "tokens"
-    tokens.write_text(f"{TOKEN} infer\n")
+    tokens.write_text(f"{TOKEN} infer\n{METERED} infer tenant=gamma tokens_per_minute=4\n"
+                      f"{COUNTED} infer tenant=delta tokens_per_minute=2\n")
     gateway = start_gateway(*(d.address for d in daemons), args=_gateway_args(daemons, "--config", str(config)))
     locked = start_gateway(*(d.address for d in daemons),
                            args=_gateway_args(daemons, "--auth-token-file", str(tokens), mapped=False))
@@ -157,6 +160,44 @@ def test_tokens_are_checked_at_the_gateway(fleet):
     got = _sdk(url).with_options(api_key=TOKEN).embeddings.create(model="minilm", input=["x"])
     assert len(got.data[0].embedding) == 384
     assert httpx.get(f"{url}/v2/health/ready", timeout=30).status_code == 200  # probes stay open
+
+
+def _stream_events(url: str, token: str, **extra) -> list[dict]:
+    body = {"model": "smollm2", "prompt": "Count: 1, 2, 3,", "max_tokens": 6, "ignore_eos": True,
+            "temperature": 0, "stream": True, **extra}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120,
+                      headers={"authorization": f"Bearer {token}"}) as reply:
+        assert reply.status_code == 200, reply.read()
+        lines = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def _refused_for_tokens(url: str, token: str) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", headers={"authorization": f"Bearer {token}"}, timeout=60,
+                      json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2})
+
+
+def test_a_tenant_s_streamed_tokens_are_charged_at_the_gateway(fleet):
+    """A stream relayed through the HTTP front spends its tenant's
+    tokens_per_minute as the gRPC side does: the next call is refused 429."""
+    locked = fleet["locked"]
+    url = f"http://127.0.0.1:{locked.http_port}"
+    # with include_usage the stream's usage event gives the exact figure
+    events = _stream_events(url, METERED, stream_options={"include_usage": True})
+    generated = events[-1]["usage"]["completion_tokens"]
+    assert generated == 6
+    assert metric_sum(locked, "modeld_tenant_generated_tokens_total", tenant="gamma") == generated
+    refused = _refused_for_tokens(url, METERED)
+    assert refused.status_code == 429 and "tokens per minute" in refused.json()["error"]["message"]
+    assert int(refused.headers["retry-after"]) >= 1
+    # without it, each event with text counts one token (never more than were generated)
+    events = _stream_events(url, COUNTED)
+    counted = metric_sum(locked, "modeld_tenant_generated_tokens_total", tenant="delta")
+    assert 2 <= counted <= 6 and counted == sum(1 for e in events if e["choices"] and e["choices"][0]["text"])
+    assert _refused_for_tokens(url, COUNTED).status_code == 429
+    # another tenant's calls go on
+    assert _refused_for_tokens(url, TOKEN).status_code == 200
 
 
 def test_bad_input_is_answered_in_the_routes_shape(fleet):

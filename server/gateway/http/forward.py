@@ -12,6 +12,7 @@ table, server/http/common.py, read backwards).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -247,11 +248,12 @@ class Forwarder:
                 route.finish()
         return result
 
-    async def relay(self, stream: Stream, send) -> None:
+    async def relay(self, stream: Stream, send, on_events: Callable[[bytes], None] | None = None) -> None:
         """The stream's bytes to the client as they come, cut only at event
         boundaries (a blank line), so that if the node dies mid-stream the
         client never holds half an event: it gets an error event in
-        OpenAI's shape instead, and the end of the stream."""
+        OpenAI's shape instead, and the end of the stream. `on_events` sees
+        each run of whole events before the client does (a tenant's meter)."""
         visit, response = stream.visit, stream.response
         tail = b""
         try:
@@ -261,6 +263,8 @@ class Forwarder:
                     data = tail + chunk if tail else chunk
                     cut = data.rfind(b"\n\n") + 2
                     if cut >= 2:
+                        if on_events is not None:
+                            on_events(data[:cut])
                         await to_client(send, {"type": "http.response.body", "body": data[:cut], "more_body": True})
                         tail = data[cut:]
                     else:

@@ -35,6 +35,7 @@ from modeld.server.gateway.http.forward import (
 )
 from modeld.server.gateway.http.options import HeaderError, HttpCallOptions
 from modeld.server.gateway.http.pools import NodePools
+from modeld.server.gateway.http.usage import StreamTokens, charge_answer
 from modeld.server.request_context import REQUEST_ID_HEADER, begin_call, current_request_id, internal_message
 
 log = structlog.get_logger("modeld.gateway")
@@ -240,9 +241,12 @@ class HttpFront:
                 status = 200
                 await exchange.start(200, [(k, v) for k, v in result.response.headers
                                            if k in (b"content-type", b"cache-control", b"x-accel-buffering")])
-                await self.forwarder.relay(result, exchange.body)
+                meter = StreamTokens(tenant.charge_tokens) if metered else None
+                await self.forwarder.relay(result, exchange.body, meter.feed if meter is not None else None)
             else:
                 status = result.status
+                if metered and status == 200:
+                    charge_answer(result.body, tenant.charge_tokens)
                 await exchange.answer(result)
         except (ClientGone, ClientLeft):
             status = 499
