@@ -101,7 +101,8 @@ def main() -> int:
         print(f"  {name:7s} {mbps[name]:8.1f} MB/s  (rounds: {', '.join(f'{t:.2f}s' for t in times[name])})")
     print(f"  ratio modeld/oras = {ratio:.2f} (goal >= 0.9)")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    record = {"started": started.isoformat(timespec="seconds"), "machine": platform.platform(),
+    record = {"command": " ".join([".venv/bin/python", "bench/bench_store.py", *sys.argv[1:]]),
+              "started": started.isoformat(timespec="seconds"), "machine": platform.platform(),
               "load_average": os.getloadavg(), "pull_nice": args.nice,
               "cpus": os.cpu_count(), "bytes": nbytes, "rounds": args.rounds, "seconds": times,
               "mb_per_s": mbps, "ratio_modeld_over_oras": ratio}
