@@ -198,6 +198,11 @@ class ModelConfig:
     # `format = "lora"`: the repository model this adapter applies to
     base: str = ""
     lora: LoraSettings = LoraSettings()  # a base model's limits on its adapters
+    # an adapter of a base on a remote engine (docs/remote.md): the name the
+    # engine serves it under ("" = the adapter's own), and where set, the
+    # path the engine reads it from when modeld loads it there
+    remote_name: str = ""
+    remote_path: str = ""
 
     @property
     def is_adapter(self) -> bool:
@@ -244,6 +249,7 @@ _KNOWN_KEYS = {
     "format", "backends", "artifact", "batching", "memory_estimate", "warmup",
     "pinned", "lazy_load", "inputs", "outputs", "text", "name", "kind", "rerank", "limits", "isolation", "source", "served_names",
     "while_pulling", "embedding", "chat_template", "tool_parser", "reasoning_parser", "base", "lora", "version_policy", *OPTIONS_BY_BACKEND,
+    "remote_name", "remote_path",
 }
 
 
@@ -298,7 +304,24 @@ def config_from_dict(name: str, raw: dict[str, Any]) -> ModelConfig:
                           if "reasoning_parser" in raw else None),
         base=base,
         lora=_lora_settings(name, reader.table("lora")),
+        remote_name=_remote_adapter_key(reader, declared, "remote_name", MAX_REMOTE_NAME),
+        remote_path=_remote_adapter_key(reader, declared, "remote_path", MAX_REMOTE_PATH),
     )
+
+
+MAX_REMOTE_NAME, MAX_REMOTE_PATH = 256, 4096
+
+
+def _remote_adapter_key(reader: _Reader, declared: ModelFormat, key: str, limit: int) -> str:
+    """An adapter's remote_name / remote_path: text the remote engine reads
+    (a name in its model list, a path on its file system), never a path here."""
+    value = reader.str(key, "")
+    if value and declared is not ModelFormat.LORA:
+        raise InvalidArgument(f"model {reader.model!r}: config key {key} belongs to format = \"lora\" (an adapter "
+                              "over a remote engine's base)")
+    if len(value) > limit or any(ord(c) < 32 or ord(c) == 127 for c in value) or value != value.strip():
+        raise reader._fail(key, f"at most {limit} printable characters without surrounding spaces")
+    return value
 
 
 def _adapter_base(reader: _Reader, declared: ModelFormat) -> str:

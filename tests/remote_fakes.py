@@ -17,6 +17,13 @@ per byte, the continuation is the words of SCRIPT in order (one token each),
 then an end-of-sequence token after `eos_after` words unless ignore_eos.
 Faults are scripted per server (`fault`), and every request and every
 client that left a stream early are recorded.
+
+LoRA adapters (vLLM and SGLang): `loras` maps the names served from the
+start (--lora-modules / --lora-paths) to their paths; with `runtime_lora`
+the engine's load/unload routes exist, and a load reads the path as the
+engine would (a folder with adapter_config.json). A request run under an
+adapter continues the script from an offset of the adapter's own
+(`adapter_shift`), so its text tells which adapter ran.
 """
 
 from __future__ import annotations
@@ -99,8 +106,13 @@ class Generation:
     cached: int = 0
 
 
+def adapter_shift(name: str) -> int:
+    """Where an adapter's continuation starts in SCRIPT (never the base's 0)."""
+    return 1 + sum(name.encode()) % (len(SCRIPT) - 1)
+
+
 def generate(prompt_ids: list[int], max_tokens: int, stop: list[str], ignore_eos: bool, eos_after: int,
-             cached: int = 0) -> Generation:
+             cached: int = 0, shift: int = 0) -> Generation:
     """Greedy and deterministic. A stop string ends the text where it begins
     (the fake matches it only within the word that completes it, which is
     all the tests ask of it)."""
@@ -109,13 +121,14 @@ def generate(prompt_ids: list[int], max_tokens: int, stop: list[str], ignore_eos
         if i == eos_after and not ignore_eos:
             steps.append(Step(EOS_ID, "", i))
             return Generation(prompt_ids, steps, "stop", cached=cached)
-        piece = " " + SCRIPT[i % len(SCRIPT)]
+        word = (i + shift) % len(SCRIPT)
+        piece = " " + SCRIPT[word]
         hits = sorted((piece.find(s), s) for s in stop if s in piece)
         if hits:
             cut, matched = hits[0]
-            steps.append(Step(WORD_BASE + i % len(SCRIPT), piece[:cut], i))
+            steps.append(Step(WORD_BASE + word, piece[:cut], i))
             return Generation(prompt_ids, steps, "stop", stop_matched=matched, cached=cached)
-        steps.append(Step(WORD_BASE + i % len(SCRIPT), piece, i))
+        steps.append(Step(WORD_BASE + word, piece, i))
     return Generation(prompt_ids, steps, "length", cached=cached)
 
 
@@ -152,6 +165,8 @@ class FakeEngine:
     num_disconnects: int = 0  # streams whose client left before the end
     num_running: int = 0
     prompts_seen: list[list[int]] = field(default_factory=list)
+    loras: dict[str, str] = field(default_factory=dict)  # adapter name -> path, as served now
+    runtime_lora: bool = False  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; SGLang's /load_lora_adapter
 
     def __post_init__(self) -> None:
         self._server: uvicorn.Server | None = None
@@ -202,10 +217,16 @@ class FakeEngine:
             if self.engine == "vllm":
                 routes += [Route("/tokenize", self.vllm_tokenize, methods=["POST"]),
                            Route("/detokenize", self.vllm_detokenize, methods=["POST"])]
+                if self.runtime_lora:
+                    routes += [Route("/v1/load_lora_adapter", self.vllm_load_lora, methods=["POST"]),
+                               Route("/v1/unload_lora_adapter", self.vllm_unload_lora, methods=["POST"])]
         elif self.engine == "sglang":
             routes += [Route("/get_model_info", self.sglang_info), Route("/generate", self.sglang, methods=["POST"]),
                        Route("/tokenize", self.sglang_tokenize, methods=["POST"]),
                        Route("/detokenize", self.sglang_detokenize, methods=["POST"])]
+            if self.runtime_lora:
+                routes += [Route("/load_lora_adapter", self.sglang_load_lora, methods=["POST"]),
+                           Route("/unload_lora_adapter", self.sglang_unload_lora, methods=["POST"])]
         elif self.engine == "tgi":
             routes += [Route("/info", self.tgi_info), Route("/generate_stream", self.tgi, methods=["POST"]),
                        Route("/tokenize", self.tgi_tokenize, methods=["POST"])]
@@ -318,17 +339,50 @@ class FakeEngine:
     # -- vLLM / OpenAI ------------------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "fake",
-                                                         "max_model_len": 2048}]})
+        cards = [{"id": self.model, "object": "model", "owned_by": "fake", "root": f"/models/{self.model}",
+                  "parent": None, "max_model_len": 2048}]
+        if self.engine == "vllm":  # vLLM lists its adapters with the base as their parent
+            cards += [{"id": name, "object": "model", "owned_by": "vllm", "root": path, "parent": self.model}
+                      for name, path in self.loras.items()]
+        return JSONResponse({"object": "list", "data": cards})
+
+    def _vllm_error(self, message: str, kind: str, status: int) -> Response:
+        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
+                            status_code=status)
+
+    async def vllm_load_lora(self, request: Request) -> Response:
+        body = await self._record(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            return self._vllm_error("Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput", 400)
+        if name == self.model:
+            return self._vllm_error(f"The lora adapter '{name}' conflicts with a served base model.",
+                                    "InvalidUserInput", 400)
+        if name in self.loras and not body.get("load_inplace"):
+            return self._vllm_error(f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                                    "adapter in place, set 'load_inplace' to True.", "InvalidUserInput", 400)
+        if not (Path(path) / "adapter_config.json").is_file():
+            return self._vllm_error(f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError", 404)
+        self.loras[name] = path
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def vllm_unload_lora(self, request: Request) -> Response:
+        body = await self._record(request)
+        name = body.get("lora_name")
+        if name not in self.loras:
+            return self._vllm_error(f"The lora adapter '{name}' cannot be found.", "NotFoundError", 404)
+        del self.loras[name]
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def openai(self, request: Request) -> Response:
         body = await self._record(request)
         fault = self._http_fault(request.url.path)
         if fault is not None:
             return self._error_response(fault)
-        if body.get("model") != self.model:
+        if body.get("model") != self.model and (self.engine != "vllm" or body.get("model") not in self.loras):
             return JSONResponse({"object": "error", "message": f"The model `{body.get('model')}` does not exist.",
                                  "type": "NotFoundError", "code": 404}, status_code=404)
+        shift = adapter_shift(body["model"]) if body["model"] in self.loras else 0
         chat = request.url.path.endswith("chat/completions")
         if chat:
             prompt = "".join(f"<{m['role']}>{m['content']}" for m in body["messages"]) + "<assistant>"
@@ -339,7 +393,7 @@ class FakeEngine:
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
         gen = generate(prompt_ids, body.get("max_tokens", 16), stop, bool(body.get("ignore_eos")), self.eos_after,
-                       self._cached(prompt_ids))
+                       self._cached(prompt_ids), shift)
         as_ids = self.engine == "vllm" and body.get("return_tokens_as_token_ids")
         num_logprobs = body.get("top_logprobs") if chat else body.get("logprobs")
         chunks = [self._openai_chunk(step, chat, as_ids, num_logprobs if (not chat or body.get("logprobs")) else None)
@@ -403,11 +457,15 @@ class FakeEngine:
         if fault is not None:
             return self._error_response(fault)
         sampling = body.get("sampling_params") or {}
+        lora = body.get("lora_path")
+        if lora is not None and lora not in self.loras:
+            return JSONResponse({"error": {"message": f"The following requested LoRA adapters are not loaded: "
+                                                      f"{lora}"}}, status_code=400)
         prompt_ids = body["input_ids"] if "input_ids" in body else tokenize(body["text"])
         stop = sampling.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
         gen = generate(prompt_ids, sampling.get("max_new_tokens", 128), stop, bool(sampling.get("ignore_eos")),
-                       self.eos_after, self._cached(prompt_ids))
+                       self.eos_after, self._cached(prompt_ids), adapter_shift(lora) if lora else 0)
         events, text, ids, lps, tops = [], "", [], [], []
         n_top = body.get("top_logprobs_num", 0) if body.get("return_logprob") else 0
         for k, step in enumerate(gen.steps):
@@ -426,7 +484,29 @@ class FakeEngine:
                                          {"type": "stop", "matched": gen.stop_matched or EOS_ID})
             # cumulative, as SGLang streams by default
             events.append({"text": text, "output_ids": list(ids), "meta_info": meta, "index": 0})
+        if body.get("stream") is False:
+            return JSONResponse(events[-1])
         return self._sse(events)
+
+    async def sglang_load_lora(self, request: Request) -> Response:
+        body = await self._record(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if name in self.loras:
+            return self._sglang_lora_reply(False, f"LoRA adapter {name} is already loaded")
+        if not path or not (Path(path) / "adapter_config.json").is_file():
+            return self._sglang_lora_reply(False, f"Failed to load LoRA adapter {name}: no adapter at {path}")
+        self.loras[name] = path
+        return self._sglang_lora_reply(True, "")
+
+    async def sglang_unload_lora(self, request: Request) -> Response:
+        body = await self._record(request)
+        if self.loras.pop(body.get("lora_name"), None) is None:
+            return self._sglang_lora_reply(False, f"LoRA adapter {body.get('lora_name')} is not loaded")
+        return self._sglang_lora_reply(True, "")
+
+    def _sglang_lora_reply(self, success: bool, message: str) -> Response:
+        return JSONResponse({"success": success, "error_message": message, "loaded_adapters": dict(self.loras)},
+                            status_code=200 if success else 400)
 
     async def sglang_tokenize(self, request: Request) -> Response:
         if not self.has_tokenize:

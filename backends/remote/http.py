@@ -104,12 +104,17 @@ class RemoteHttp:
     async def post_json(self, path: str, body: Any, timeout_s: float | None = None) -> Any:
         return self._json(path, await self.post(path, body, timeout_s))
 
-    async def _call(self, method: str, path: str, body: Any, timeout_s: float | None) -> httpx.Response:
+    async def answer(self, method: str, path: str, body: Any, timeout_s: float | None = None) -> httpx.Response:
+        """The engine's answer whatever its status (the caller reads an error
+        answer itself); only a transport failure raises."""
         timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else httpx.Timeout(timeout_s)
         try:
-            response = await self.client.request(method, path, json=body, timeout=timeout)
+            return await self.client.request(method, path, json=body, timeout=timeout)
         except httpx.HTTPError as exc:
             raise self.transport_failure(exc, path) from None
+
+    async def _call(self, method: str, path: str, body: Any, timeout_s: float | None) -> httpx.Response:
+        response = await self.answer(method, path, body, timeout_s)
         if response.status_code >= 400:
             raise error_for_status(f"{self.endpoint.where} ({method} {path})", response.status_code, response.text)
         return response

@@ -12,11 +12,16 @@ report (duck-typed on purpose: a local model has none of it):
   figures from its /metrics where it has them, for the node stats; they also
   reach the observer's `on_step`, as a local loop's do.
 - `server_capabilities`: what this server turned out to do at load.
+
+A LoRA adapter over a remote base (`load_adapter`) is a RemoteAdapterModel:
+its requests go to the same engine, on the base's connections, naming the
+adapter as the engine serves it; the base's health tracker counts them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import importlib.util
 import os
 import time
@@ -27,7 +32,7 @@ import structlog
 
 from modeld.backends.base import Backend, Capability, GenerativeModel, Verdict
 from modeld.backends.errors import (
-    ErrorKind, LoadFailed, ModeldError, ResourceExhausted, Unavailable, Unimplemented,
+    ErrorKind, FailedPrecondition, LoadFailed, ModeldError, ResourceExhausted, Unavailable, Unimplemented, error_for,
 )
 from modeld.backends.generation.params import FinalEvent, FinishReason, GenerateRequest, TokenEvent, Usage
 from modeld.backends.model_config import ModelConfig, TensorSpec
@@ -117,80 +122,24 @@ async def _inspect(protocol: RemoteProtocol) -> None:
 HealthCallback = Callable[[bool], None]
 
 
-class RemoteModel(GenerativeModel):
-    def __init__(self, protocol: RemoteProtocol, options: RemoteOptions, name: str) -> None:
-        self.protocol = protocol
-        self.options = options
-        self.name = name
-        self.nbytes = 0
-        self.inputs, self.outputs = TEXT_SIGNATURE
-        self.loop = self.runner = None  # no local generation loop or runner
-        self.observer = None
-        self.load: RemoteLoad | None = None  # the engine's latest figures
-        self.health = HealthTracker(options.unhealthy_after, options.probe_interval_s, options.max_probe_interval_s,
-                                    self._health_changed)
-        self._health_listener: HealthCallback | None = None
-        self._num_in_flight = 0
-        self._idle: asyncio.Event | None = None
-        self._watch_task: asyncio.Task | None = None
+class _RemoteCalls(GenerativeModel):
+    """Requests to a remote engine: limits, relaying, timing, the final
+    event. Needs protocol, options, name, health, observer, _idle and
+    _num_in_flight, and `_engine_calls()`."""
 
-    # -- what the engine reads ---------------------------------------------------
+    protocol: RemoteProtocol
+    options: RemoteOptions
+    name: str
+    health: HealthTracker
+    observer: object
+    _idle: asyncio.Event | None
+    _num_in_flight: int
 
-    @property
-    def is_healthy(self) -> bool:
-        return self.health.is_healthy
+    def _engine_calls(self) -> int:
+        """Requests in flight on this engine through this model and its kin
+        (a base and its adapters share [remote] max_in_flight)."""
+        raise NotImplementedError
 
-    def set_health_listener(self, listener: HealthCallback) -> None:
-        self._health_listener = listener
-
-    @property
-    def num_running(self) -> int:
-        return self.load.num_running if self.load else 0
-
-    @property
-    def num_waiting(self) -> int:
-        return self.load.num_waiting if self.load else 0
-
-    @property
-    def kv_cache_usage(self) -> float | None:
-        return self.load.kv_cache_usage if self.load else None
-
-    @property
-    def num_in_flight(self) -> int:
-        return self._num_in_flight
-
-    @property
-    def server_capabilities(self) -> dict[str, str]:
-        return self.protocol.server_capabilities()
-
-    # -- lifecycle -------------------------------------------------------------------
-
-    def set_observer(self, observer) -> None:
-        self.observer = observer
-        self._tell("on_remote_health", self.health.is_healthy)
-
-    async def start(self) -> None:
-        self.protocol.http.open()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._watch_task = asyncio.get_running_loop().create_task(self._watch())
-
-    async def stop(self) -> None:
-        """Let requests in flight finish, then stop probing and close the client."""
-        if self._idle is not None:
-            await self._idle.wait()
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-            try:
-                await self._watch_task
-            except asyncio.CancelledError:
-                pass
-            self._watch_task = None
-        self._idle = None
-        await self.protocol.http.close()
-
-    def unload(self) -> None:
-        """Nothing local to free: stop() closed the connections."""
 
     # -- requests ----------------------------------------------------------------------
 
@@ -204,8 +153,8 @@ class RemoteModel(GenerativeModel):
         reason = self.protocol.refusal(request)
         if reason:
             raise Unimplemented(f"model {self.name!r}: {reason}")
-        if self._num_in_flight >= self.options.max_in_flight:
-            raise ResourceExhausted(f"model {self.name!r} has {self._num_in_flight} requests in flight on "
+        if self._engine_calls() >= self.options.max_in_flight:
+            raise ResourceExhausted(f"model {self.name!r}: {self._engine_calls()} requests are in flight on "
                                     f"{self.protocol.where}, its [remote] max_in_flight; retry later")
         self._num_in_flight += 1
         self._idle.clear()
@@ -284,6 +233,111 @@ class RemoteModel(GenerativeModel):
         except Unimplemented as exc:
             raise Unimplemented(f"model {self.name!r}: {exc}") from None
 
+    def _tell(self, method: str, *args) -> None:
+        """The observer's method, where it has it (the remote ones are optional)."""
+        handler = getattr(self.observer, method, None)
+        if handler is not None:
+            handler(*args)
+
+
+class RemoteModel(_RemoteCalls):
+    def __init__(self, protocol: RemoteProtocol, options: RemoteOptions, name: str) -> None:
+        self.protocol = protocol
+        self.options = options
+        self.name = name
+        self.nbytes = 0
+        self.inputs, self.outputs = TEXT_SIGNATURE
+        self.loop = self.runner = None  # no local generation loop or runner
+        self.observer = None
+        self.load: RemoteLoad | None = None  # the engine's latest figures
+        self.health = HealthTracker(options.unhealthy_after, options.probe_interval_s, options.max_probe_interval_s,
+                                    self._health_changed)
+        self._health_listener: HealthCallback | None = None
+        self._num_in_flight = 0
+        self._idle: asyncio.Event | None = None
+        self._watch_task: asyncio.Task | None = None
+        self.adapters: set[RemoteAdapterModel] = set()  # started adapters of this base
+
+    def _engine_calls(self) -> int:
+        return self._num_in_flight + sum(a._num_in_flight for a in self.adapters)
+
+    # -- what the engine reads ---------------------------------------------------
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.health.is_healthy
+
+    def set_health_listener(self, listener: HealthCallback) -> None:
+        self._health_listener = listener
+
+    @property
+    def num_running(self) -> int:
+        return self.load.num_running if self.load else 0
+
+    @property
+    def num_waiting(self) -> int:
+        return self.load.num_waiting if self.load else 0
+
+    @property
+    def kv_cache_usage(self) -> float | None:
+        return self.load.kv_cache_usage if self.load else None
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    @property
+    def server_capabilities(self) -> dict[str, str]:
+        return self.protocol.server_capabilities()
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def set_observer(self, observer) -> None:
+        self.observer = observer
+        self._tell("on_remote_health", self.health.is_healthy)
+
+    async def start(self) -> None:
+        self.protocol.http.open()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._watch_task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def stop(self) -> None:
+        """Let requests in flight finish, then stop probing and close the client."""
+        if self._idle is not None:
+            await self._idle.wait()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            try:
+                await self._watch_task
+            except asyncio.CancelledError:
+                pass
+            self._watch_task = None
+        self._idle = None
+        await self.protocol.http.close()
+
+    def unload(self) -> None:
+        """Nothing local to free: stop() closed the connections."""
+
+    # -- LoRA adapters -------------------------------------------------------------------
+
+    def load_adapter(self, config: ModelConfig, model_dir: Path) -> RemoteAdapterModel:
+        """Blocking (the engine calls it from a worker thread): make the
+        engine serve the adapter under its remote name, loading it from
+        remote_path where the config gives one, else checking the engine
+        already serves it (vLLM's --lora-modules, SGLang's --lora-paths).
+        The adapter's own files, if any, stay here: the engine reads its
+        own copy."""
+        if self.protocol.lora_refusal:
+            raise FailedPrecondition(f"adapter {config.name!r}: its base {self.name!r} runs on "
+                                     f"{self.protocol.where}, and {self.protocol.lora_refusal}")
+        remote_name = config.remote_name or config.name
+        loaded = asyncio.run(_on_private_client(self.protocol, lambda p: _bring_adapter(p, config, remote_name)))
+        model = RemoteAdapterModel(self, self.protocol.for_adapter(remote_name), config.name, remote_name, loaded)
+        log.info("remote_adapter_ready", model=config.name, base=self.name, remote_name=remote_name,
+                 loaded_by_modeld=loaded)
+        return model
+
     # -- health ------------------------------------------------------------------------
 
     async def _watch(self) -> None:
@@ -321,11 +375,91 @@ class RemoteModel(GenerativeModel):
         if self._health_listener is not None:
             self._health_listener(is_healthy)
 
-    def _tell(self, method: str, *args) -> None:
-        """The observer's method, where it has it (the remote ones are optional)."""
-        handler = getattr(self.observer, method, None)
-        if handler is not None:
-            handler(*args)
+
+class RemoteAdapterModel(_RemoteCalls):
+    """A LoRA adapter that a remote engine applies: requests name it as the
+    engine serves it, on the base's connections. The base's health tracker
+    counts its outcomes (one engine), and the base's figures are the engine's,
+    so the adapter reports none of its own; it has no standby of its own
+    either (an adapter runs where its base does)."""
+
+    def __init__(self, base: RemoteModel, protocol: RemoteProtocol, name: str, remote_name: str,
+                 loaded_by_modeld: bool) -> None:
+        self.base = base
+        self.protocol = protocol
+        self.options = base.options
+        self.name = name
+        self.remote_name = remote_name  # the engine's name for it
+        self.loaded_by_modeld = loaded_by_modeld  # unloaded from the engine with the adapter
+        self.nbytes = 0
+        self.inputs, self.outputs = TEXT_SIGNATURE
+        self.loop = self.runner = None
+        self.observer = None
+        self.health = base.health
+        self._num_in_flight = 0
+        self._idle: asyncio.Event | None = None
+
+    def _engine_calls(self) -> int:
+        return self.base._engine_calls()
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    def set_observer(self, observer) -> None:
+        self.observer = observer
+
+    async def start(self) -> None:
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.base.adapters.add(self)
+
+    async def stop(self) -> None:
+        """Let this adapter's requests finish."""
+        if self._idle is not None:
+            await self._idle.wait()
+        self._idle = None
+        self.base.adapters.discard(self)
+
+    def unload(self) -> None:
+        """Blocking: unload the adapter from the engine where modeld loaded
+        it there. An engine that cannot be reached keeps it (it goes with the
+        engine's restart); the adapter is gone from modeld either way."""
+        if not self.loaded_by_modeld:
+            return
+        try:
+            asyncio.run(_on_private_client(self.protocol, lambda p: p.unload_adapter(self.remote_name)))
+        except ModeldError as exc:
+            log.warning("remote_adapter_unload_failed", model=self.name, remote_name=self.remote_name,
+                        reason=str(exc))
+
+
+async def _on_private_client(protocol: RemoteProtocol, call):
+    """`call(protocol)` over a client of its own, in the calling thread's
+    event loop: the model's own client belongs to the daemon's loop."""
+    private = copy.copy(protocol)
+    private.http = RemoteHttp(protocol.http.endpoint, protocol.http.transport)
+    private.http.open()
+    try:
+        return await call(private)
+    finally:
+        await private.http.close()
+
+
+async def _bring_adapter(protocol: RemoteProtocol, config: ModelConfig, remote_name: str) -> bool:
+    """Whether modeld loaded the adapter on the engine (False: it served it already)."""
+    name = config.name
+    try:
+        if config.remote_path:
+            return await protocol.load_adapter(remote_name, config.remote_path)
+        reason = await protocol.adapter_served(remote_name)
+    except RemoteFailure as exc:
+        raise Unavailable(f"adapter {name!r}: {exc}") from None
+    except ModeldError as exc:
+        raise error_for(exc.kind, f"adapter {name!r}: {exc}") from None
+    if reason:
+        raise FailedPrecondition(f"adapter {name!r}: {reason}")
+    return False
 
 
 class _Timing:

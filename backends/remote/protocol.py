@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, ClassVar, Iterable, NamedTuple
 
-from modeld.backends.errors import ErrorKind, ModeldError, Unimplemented
+from modeld.backends.errors import ErrorKind, FailedPrecondition, ModeldError, Unimplemented
 from modeld.backends.generation.params import (
     Constraint, ConstraintKind, FinishReason, GenerateRequest, SpeculativeMode, TokenEvent,
 )
@@ -145,6 +145,31 @@ class RemoteProtocol(ABC):
     def read_load(self, samples: list[Sample]) -> RemoteLoad | None:
         """The load figures in a /metrics scrape, None if it has none."""
         return None
+
+    # -- LoRA adapters (docs/remote.md, "LoRA adapters") -------------------------------
+    # An adapter over a base on this engine is served by the engine itself,
+    # under a name: modeld passes that name through, and, where the adapter's
+    # model.toml gives remote_path, loads and unloads it there.
+
+    #: "" where the engine serves adapters by name; else why it cannot
+    lora_refusal: ClassVar[str] = "modeld does not pass LoRA adapters through to this engine"
+
+    def for_adapter(self, name: str) -> RemoteProtocol:
+        """A protocol whose requests run adapter `name` on this engine (the
+        same client and what inspect() learned)."""
+        raise FailedPrecondition(self.lora_refusal)
+
+    async def adapter_served(self, name: str) -> str:
+        """"" if the engine serves adapter `name` over this base now, else why not."""
+        raise FailedPrecondition(self.lora_refusal)
+
+    async def load_adapter(self, name: str, path: str) -> bool:
+        """Have the engine load the adapter at `path` (its own file system)
+        as `name`: True if it did, False if it already served that name."""
+        raise FailedPrecondition(self.lora_refusal)
+
+    async def unload_adapter(self, name: str) -> None:
+        raise FailedPrecondition(self.lora_refusal)
 
 
 def constraint_spec(constraint: Constraint) -> Any:

@@ -24,6 +24,13 @@ string kept in the output), `logit_bias`; constraints to `json_schema`
 (json_object as the schema of any object), `regex` (a choice as the regex
 of its alternatives) and `ebnf` (a GBNF grammar).
 
+LoRA adapters: a request runs adapter NAME with `lora_path: NAME` (the
+name SGLang serves it under: --lora-paths NAME=PATH, or loaded at run time
+through POST /load_lora_adapter {lora_name, lora_path}, removed through
+/unload_lora_adapter {lora_name}; both answer {success, error_message}).
+An adapter said to be served already is checked by a one-token /generate
+under its name, which SGLang refuses for an adapter it has not loaded.
+
 Not in the native API, so refused: chat messages (its chat template runs
 in its OpenAI API: use the openai backend for that), a per-request seed,
 Lark grammars (its `ebnf` is GBNF's notation).
@@ -31,17 +38,20 @@ Lark grammars (its `ebnf` is GBNF's notation).
 
 from __future__ import annotations
 
+import copy
 from typing import Any, AsyncIterator
 
 from modeld.backends.base import Capability
-from modeld.backends.errors import ErrorKind, LoadFailed, ModeldError, Unimplemented
+from modeld.backends.errors import (
+    ErrorKind, FailedPrecondition, InvalidArgument, LoadFailed, ModeldError, Unimplemented,
+)
 import json
 
 from modeld.backends.generation.params import (
     Constraint, ConstraintKind, FinishReason, GenerateRequest, TokenEvent, TokenLogprob,
 )
 from modeld.backends.remote.health import FailureKind
-from modeld.backends.remote.http import RemoteFailure, kind_for_status
+from modeld.backends.remote.http import RemoteFailure, error_for_status, kind_for_status, remote_message
 from modeld.backends.remote.model import RemoteBackend
 from modeld.backends.remote.protocol import (
     ANY_OBJECT, PROBE_TIMEOUT_S, RemoteFinish, RemoteLoad, RemoteProtocol, Sample, choice_regex, metric_sum,
@@ -54,6 +64,7 @@ class SglangProtocol(RemoteProtocol):
     def __init__(self, http, model: str) -> None:
         super().__init__(http, model)
         self.token_routes = ""  # "" or why /tokenize is not there
+        self.lora = ""  # the adapter requests run under ("" the base)
 
     async def inspect(self) -> None:
         info = await self.http.get_json("/get_model_info")
@@ -116,7 +127,59 @@ class SglangProtocol(RemoteProtocol):
             body["input_ids"] = list(request.token_ids)
         else:
             body["text"] = request.prompt
+        if self.lora:
+            body["lora_path"] = self.lora
         return body
+
+    # -- LoRA adapters ------------------------------------------------------------------
+
+    lora_refusal = ""
+
+    def for_adapter(self, name: str) -> SglangProtocol:
+        adapter = copy.copy(self)
+        adapter.lora = name
+        return adapter
+
+    async def adapter_served(self, name: str) -> str:
+        body = {"text": "a", "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "lora_path": name,
+                "stream": False}
+        answer = await self.http.answer("POST", "/generate", body, PROBE_TIMEOUT_S * 6)
+        if answer.status_code >= 500:
+            raise error_for_status(f"{self.where} (POST /generate)", answer.status_code, answer.text)
+        if answer.status_code >= 400:
+            return (f"{self.where} runs no adapter {name!r} ({remote_message(answer.text, answer.status_code)}); "
+                    f"start it with --enable-lora --lora-paths {name}=PATH, or set remote_path in the adapter's "
+                    "model.toml for modeld to load it there")
+        return ""
+
+    async def load_adapter(self, name: str, path: str) -> bool:
+        ok, message = await self._lora_call("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        if ok:
+            return True
+        if "already" in message and not await self.adapter_served(name):
+            return False  # left by an earlier run of the daemon: served, and not ours to unload
+        raise InvalidArgument(f"{self.where} did not load the adapter from config key remote_path: {message}")
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._lora_call("/unload_lora_adapter", {"lora_name": name})
+
+    async def _lora_call(self, route: str, body: dict) -> tuple[bool, str]:
+        answer = await self.http.answer("POST", route, body)
+        if answer.status_code == 404:
+            raise FailedPrecondition(f"{self.where} has no {route} (an SGLang before run-time LoRA loading): "
+                                     f"serve the adapter with --lora-paths {body['lora_name']}=PATH and leave "
+                                     "remote_path out")
+        if answer.status_code >= 500:
+            raise error_for_status(f"{self.where} (POST {route})", answer.status_code, answer.text)
+        try:
+            reply = answer.json()
+        except ValueError:
+            reply = None
+        if not isinstance(reply, dict):
+            raise RemoteFailure(f"{self.where} answered {route} with something that is not a JSON object",
+                                FailureKind.BROKEN_STREAM)
+        message = remote_message(json.dumps({"error": reply.get("error_message") or ""}), answer.status_code)
+        return bool(reply.get("success")) and answer.status_code < 400, message
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | RemoteFinish]:
         seen = _Seen()
@@ -254,4 +317,5 @@ class SglangBackend(RemoteBackend):
         Capability.GENERATION, Capability.STREAMING, Capability.LOGPROBS,
         Capability.CONTINUOUS_BATCHING, Capability.PREFIX_CACHE,  # its scheduler and RadixAttention
         Capability.CONSTRAINED_DECODING,
+        Capability.LORA,  # adapters by name (lora_path), --lora-paths or /load_lora_adapter
     })

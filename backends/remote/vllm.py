@@ -16,17 +16,25 @@
   cache usage (vllm:kv_cache_usage_perc; gpu_cache_usage_perc before v1)
   times its capacity from vllm:cache_config_info, prefix-cache hits over
   queries.
+- LoRA adapters (docs/remote.md): an adapter runs as `model = <its name>`,
+  the name vLLM serves it under (--lora-modules NAME=PATH, listed in
+  /v1/models with the base as its parent), or loaded at run time through
+  POST /v1/load_lora_adapter {lora_name, lora_path} and removed through
+  /v1/unload_lora_adapter {lora_name} (routes vLLM adds only with
+  VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from modeld.backends.base import Capability
-from modeld.backends.errors import ErrorKind
+from modeld.backends.errors import ErrorKind, FailedPrecondition, InvalidArgument
 from modeld.backends.generation.params import (
     FinishReason, GenerateRequest, SamplingParams, TokenEvent, TokenLogprob,
 )
+from modeld.backends.remote.http import error_for_status, remote_message
 from modeld.backends.remote.model import RemoteBackend
 from modeld.backends.remote.openai_compat import CHAT, OpenAIProtocol
 from modeld.backends.remote.protocol import RemoteFinish, RemoteLoad, Sample, metric_sum, ratio
@@ -102,6 +110,59 @@ class VllmProtocol(OpenAIProtocol):
         tops = tuple(_top(alternatives, n) for _, _, alternatives in entries)
         return TokenEvent(tuple(ids), text, chosen, tops)
 
+    # -- LoRA adapters ------------------------------------------------------------------
+
+    lora_refusal = ""
+
+    def for_adapter(self, name: str) -> VllmProtocol:
+        adapter = copy.copy(self)
+        adapter.model = name  # vLLM picks the adapter by the request's model
+        return adapter
+
+    async def adapter_served(self, name: str) -> str:
+        listing = await self.http.get_json("/v1/models")
+        cards = {m.get("id"): m for m in (listing.get("data") or []) if isinstance(m, dict)} \
+            if isinstance(listing, dict) else {}
+        card = cards.get(name)
+        if card is None:
+            adapters = [i for i, c in cards.items() if c.get("parent")]
+            return (f"{self.where} serves no adapter {name!r} (its /v1/models lists "
+                    f"{', '.join(map(repr, adapters)) or 'no adapters'}): start it with --enable-lora "
+                    f"--lora-modules {name}=PATH, or set remote_path in the adapter's model.toml for modeld to "
+                    "load it there")
+        parent = card.get("parent")
+        if not parent:
+            return f"{self.where} serves {name!r} as a base model, not as an adapter"
+        if parent != self.model:
+            return f"{self.where} serves {name!r} as an adapter of {parent!r}, not of {self.model!r}"
+        return ""
+
+    async def load_adapter(self, name: str, path: str) -> bool:
+        route = "/v1/load_lora_adapter"
+        answer = await self.http.answer("POST", route, {"lora_name": name, "lora_path": path})
+        if answer.status_code < 400:
+            return True
+        message = remote_message(answer.text, answer.status_code)
+        if answer.status_code == 404 and _route_missing(answer):
+            raise FailedPrecondition(
+                f"{self.where} takes no adapters at run time (no {route}): start it with "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora, or serve the adapter with "
+                f"--lora-modules {name}=PATH and leave remote_path out")
+        if answer.status_code == 400 and "already been loaded" in message and not await self.adapter_served(name):
+            return False  # left by an earlier run of the daemon: served, and not ours to unload
+        # the engine's own trouble; vLLM answers 500 for an adapter it cannot apply, which is the adapter's
+        if answer.status_code in (502, 503, 504):
+            raise error_for_status(f"{self.where} (POST {route})", answer.status_code, answer.text)
+        raise InvalidArgument(f"{self.where} did not load the adapter from config key remote_path "
+                              f"(HTTP {answer.status_code}): {message}")
+
+    async def unload_adapter(self, name: str) -> None:
+        route = "/v1/unload_lora_adapter"
+        answer = await self.http.answer("POST", route, {"lora_name": name})
+        if answer.status_code < 400 or answer.status_code == 404 and not _route_missing(answer):
+            return  # gone, or already gone (a restarted engine)
+        raise error_for_status(f"{self.where} (POST {route})", answer.status_code, answer.text)
+
     def read_load(self, samples: list[Sample]) -> RemoteLoad | None:
         running = metric_sum(samples, ("vllm:num_requests_running",), self.model)
         if running is None:
@@ -154,6 +215,16 @@ def _top(alternatives: dict[str, float], n: int) -> tuple[TokenLogprob, ...]:
     return tuple(TokenLogprob(i, lp) for lp, i in ranked if i is not None)[:n]
 
 
+def _route_missing(answer) -> bool:
+    """A 404 of the web framework (no such route: {"detail": "Not Found"}),
+    not one of vLLM's own errors (an adapter it cannot find)."""
+    try:
+        body = answer.json()
+    except ValueError:
+        return True
+    return not (isinstance(body, dict) and ("object" in body or "error" in body or "type" in body))
+
+
 def _kv_capacity(samples: list[Sample]) -> int:
     """KV cache tokens: blocks x block size, from vllm:cache_config_info."""
     for s in samples:
@@ -174,4 +245,6 @@ class VllmBackend(RemoteBackend):
         # vLLM's own scheduler batches continuously and caches prefixes (on by default since v1)
         Capability.CONTINUOUS_BATCHING, Capability.PREFIX_CACHE,
         Capability.CONSTRAINED_DECODING,
+        # adapters by name: --lora-modules, or loaded through its run-time LoRA routes
+        Capability.LORA,
     })

@@ -436,7 +436,9 @@ class ModelLifecycle:
 
     async def stop(self) -> None:
         for name in list(self.models.served):
-            await self.drop(self.models.served[name])
+            served = self.models.served.get(name)
+            if served is not None:  # an adapter went with its base already
+                await self.drop(served)
 
     # -- worker processes ---------------------------------------------------------
 
