@@ -62,6 +62,8 @@ def _gateway_args(sub) -> None:
                    help="a daemon's gRPC address (repeatable)")
     p.add_argument("--dns", metavar="NAME:PORT",
                    help="a name resolving to every daemon (a Kubernetes headless Service), re-resolved periodically")
+    p.add_argument("--nodes-file", dest="nodes_file", metavar="FILE",
+                   help="a file of daemon addresses, HOST:PORT one a line, re-read periodically (a mounted ConfigMap)")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     p.add_argument("--grpc-port", dest="grpc_port", type=int, help="gRPC port (default 8001; 0 picks a free one)")
     p.add_argument("--http-port", dest="http_port", type=int,
@@ -202,7 +204,7 @@ def gateway(args) -> int:
     from modeld.server.gateway.config import GatewayConfigError, load_gateway_settings
 
     flags = {"nodes": args.node, "node_http": args.node_http,
-             **{k: getattr(args, k) for k in ("dns", "host", "grpc_port", "http_port", "node_http_port", "metrics_port",
+             **{k: getattr(args, k) for k in ("dns", "nodes_file", "host", "grpc_port", "http_port", "node_http_port", "metrics_port",
                                                                    "replicas", "log_format", "node_tls_ca",
                                                                    "node_tls_cert", "node_tls_key",
                                                                    "node_tls_server_name", "node_token_file",
