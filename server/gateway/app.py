@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from modeld.server.gateway.config import GatewaySettings, NodeCredentials
-from modeld.server.gateway.discovery import watch_dns
+from modeld.server.gateway.discovery import watch_dns, watch_file
 from modeld.server.gateway.metrics import GatewayMetrics
 from modeld.server.gateway.nodes import Fleet
 from modeld.server.gateway.router import Router
@@ -86,6 +86,9 @@ class Gateway:
         loop = asyncio.get_running_loop()
         if s.dns:
             self._tasks.append(loop.create_task(watch_dns(s.dns, s.dns_interval_s, self.fleet.set_addresses)))
+        elif s.nodes_file:
+            self._tasks.append(loop.create_task(watch_file(Path(s.nodes_file), s.dns_interval_s,
+                                                           self.fleet.set_addresses)))
         else:
             self.fleet.set_addresses(set(s.nodes))
         self._tasks.append(loop.create_task(self._follow_health()))

@@ -21,6 +21,7 @@ class GatewayConfigError(ValueError):
 class GatewaySettings:
     nodes: tuple[str, ...] = ()          # static HOST:PORT list
     dns: str = ""                        # NAME:PORT, re-resolved every dns_interval_s
+    nodes_file: str = ""                 # a file of HOST:PORT lines, re-read every dns_interval_s
     host: str = "127.0.0.1"
     grpc_port: int = 8001
     http_port: int = 8000                # the OpenAI and KServe v2 REST routes; -1: no HTTP
@@ -82,7 +83,8 @@ class GatewaySettings:
         return bool(self.node_token_file) and not self.node_tls_ca
 
     def describe(self) -> str:
-        source = f"dns {self.dns}" if self.dns else f"nodes {', '.join(self.nodes)}"
+        source = (f"dns {self.dns}" if self.dns else f"nodes from {self.nodes_file}" if self.nodes_file
+                  else f"nodes {', '.join(self.nodes)}")
         security = []
         if self.node_tls_ca:
             security.append("mutual TLS to nodes" if self.node_tls_cert else "TLS to nodes")
@@ -256,9 +258,9 @@ def load_gateway_settings(flags: dict, config_file: Path | None = None) -> Gatew
 
 
 def _check(s: GatewaySettings) -> None:
-    if bool(s.nodes) == bool(s.dns):
-        raise GatewayConfigError("name the daemons with --node HOST:PORT (repeatable) or with --dns NAME:PORT, "
-                                 "one of the two")
+    if sum(map(bool, (s.nodes, s.dns, s.nodes_file))) != 1:
+        raise GatewayConfigError("name the daemons with --node HOST:PORT (repeatable), --dns NAME:PORT or "
+                                 "--nodes-file FILE, one of the three")
     for address in (*s.nodes, *((s.dns,) if s.dns else ())):
         host, sep, port = address.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:

@@ -55,7 +55,7 @@ def test_settings_take_flags_over_the_file_over_defaults(tmp_path):
 
 @pytest.mark.parametrize("flags, text, message", [
     ({}, "", "--node HOST:PORT"),
-    ({"nodes": ["a:1"], "dns": "b:2"}, "", "one of the two"),
+    ({"nodes": ["a:1"], "dns": "b:2"}, "", "one of the three"),
     ({"nodes": ["no-port"]}, "", "not HOST:PORT"),
     ({"dns": "svc:99999"}, "", "not HOST:PORT"),
     ({"nodes": ["a:1"], "replicas": 0}, "", "at least 1"),
