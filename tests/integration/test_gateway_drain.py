@@ -102,3 +102,81 @@ def test_a_daemon_drained_under_load_fails_no_call_and_truncates_no_stream(tmp_p
         for process in [gateway, *daemons]:
             if process.proc.poll() is None:
                 process.stop()
+
+
+def _x() -> tc.InferInput:
+    x = tc.InferInput("x", [1, 4], "FP32")
+    x.set_data_from_numpy(np.array([[1.0, 2.0, 3.0, 4.0]], dtype=np.float32))
+    return x
+
+
+@pytest.mark.slow
+def test_a_daemon_that_joins_under_load_takes_its_ring_share_and_fails_no_call(tmp_path):
+    """Scale-out: a fourth daemon added to the gateway's nodes file while
+    calls run joins the ring and serves the models whose homes moved to
+    it; no call fails meanwhile. (Other models' calls may reach it too:
+    a home over the load bound spills to the next node with room.)"""
+    import onnx_fixtures
+    from modeld.server.gateway.ring import HashRing
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    with ThreadPoolExecutor(4) as pool:
+        daemons = list(pool.map(lambda _: start_daemon("--no-preload", repository=repo), range(4)))
+    old, joining = daemons[:3], daemons[3]
+    # models named so that the joining node becomes a home of some of them
+    # (the repository is read on each listing: models added now are listed)
+    after = HashRing(150)
+    for d in daemons:
+        after.add(d.address)
+    names = [f"add-{i}" for i in range(200)]
+    moved = [n for n in names if joining.address in after.replicas(n, 2)][:3]
+    models = moved + [n for n in names if n not in moved][:3]
+    for name in models:
+        (repo / name).mkdir()
+        (repo / name / "model.onnx").write_bytes(onnx_fixtures.add_fp32())
+        (repo / name / "model.toml").write_text('format = "onnx"\nbackends = ["onnx"]\n')
+    nodes_file = tmp_path / "nodes"
+    nodes_file.write_text("".join(f"{d.address}\n" for d in old))
+    config = tmp_path / "gateway.toml"
+    config.write_text("[gateway]\ndns_interval_s = 0.5\n")
+    gateway = start_gateway(args=("--nodes-file", str(nodes_file), "--config", str(config), "--http-port", "-1"))
+    try:
+        address = f"127.0.0.1:{gateway.port}"
+        wait_until(lambda: metric_sum(gateway, "modeld_gateway_node_serving") == 3, 60, "three nodes serving")
+        failures, ok, stop = [], [0], threading.Event()
+
+        def calls(offset: int):
+            client = tc.InferenceServerClient(address)
+            i = offset
+            while not stop.is_set():
+                try:
+                    result = client.infer(models[i % len(models)], [_x()], client_timeout=60)
+                    if result.as_numpy("y").tolist() != [[2.0, 3.0, 4.0, 5.0]]:
+                        failures.append(f"wrong answer {result.as_numpy('y')}")
+                    ok[0] += 1
+                except InferenceServerException as exc:
+                    failures.append(str(exc))
+                i += 1
+                time.sleep(0.02)
+
+        threads = [threading.Thread(target=calls, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: ok[0] >= 3 * len(models), 120, "calls on every model")
+        assert all(metric_sum(joining, "modeld_requests_total", model=m) == 0 for m in models)
+        nodes_file.write_text("".join(f"{d.address}\n" for d in daemons))  # scale-out
+        wait_until(lambda: metric_sum(gateway, "modeld_gateway_node_serving", node=joining.address) == 1, 60,
+                   "the new node serving")
+        wait_until(lambda: all(metric_sum(joining, "modeld_requests_total", model=m) >= 3 for m in moved), 120,
+                   "calls for the models homed on the new node reaching it")
+        mark = ok[0]
+        wait_until(lambda: ok[0] >= mark + 20, 60, "calls after the join")
+        stop.set()
+        for t in threads:
+            t.join()
+        assert failures == [], failures[:3]
+    finally:
+        for process in [gateway, *daemons]:
+            if process.proc.poll() is None:
+                process.stop()
