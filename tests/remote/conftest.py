@@ -25,7 +25,9 @@ def vllm():
     reason = missing()
     if reason:
         pytest.skip(reason)
-    server = VllmServer().start()
+    # with run-time LoRA loading for test_vllm_lora.py (eager either way: vLLM's CPU build
+    # turns compilation off with LoRA on)
+    server = VllmServer(lora=True).start()
     yield server
     server.stop()
 

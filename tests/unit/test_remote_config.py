@@ -116,3 +116,30 @@ def test_local_backends_judge_the_fallback_file_and_remote_ones_refuse_files(tmp
 def test_remote_backends_reserve_no_memory(tmp_path):
     config = config_from_dict("m", ISSUE_EXAMPLE)
     assert all(REGISTRY.get(n).estimate_bytes(config, Path(tmp_path)) == 0 for n in ("openai", "vllm", "sglang", "tgi"))
+
+
+# -- an adapter over a remote base ----------------------------------------------------------
+
+
+def test_an_adapters_remote_name_and_path_parse_and_default_to_empty():
+    config = config_from_dict("acme-sql", {"format": "lora", "base": "smol", "remote_name": "sql-v1",
+                                           "remote_path": "/srv/adapters/sql"})
+    assert (config.remote_name, config.remote_path) == ("sql-v1", "/srv/adapters/sql")
+    plain = config_from_dict("acme-sql", {"format": "lora", "base": "smol"})
+    assert (plain.remote_name, plain.remote_path) == ("", "")
+    assert config_from_json("acme-sql", json.dumps({"format": "lora", "base": "smol", "remote_name": "x"})
+                            ).remote_name == "x"
+
+
+@pytest.mark.parametrize("raw, fragment", [
+    ({**_remote(engine="vllm"), "remote_name": "x"}, "config key remote_name belongs to format = \"lora\""),
+    ({"format": "onnx", "remote_path": "/a"}, "config key remote_path belongs to format = \"lora\""),
+    ({"format": "lora", "base": "smol", "remote_name": "a\nb"}, "config key remote_name must be at most 256"),
+    ({"format": "lora", "base": "smol", "remote_name": "x" * 257}, "config key remote_name must be at most 256"),
+    ({"format": "lora", "base": "smol", "remote_path": " /a"}, "config key remote_path must be at most 4096"),
+    ({"format": "lora", "base": "smol", "remote_path": "/" * 4097}, "config key remote_path must be at most 4096"),
+    ({"format": "lora", "base": "smol", "remote_name": 3}, "config key remote_name must be a string"),
+])
+def test_bad_remote_adapter_keys_are_invalid_argument_naming_the_key(raw, fragment):
+    with pytest.raises(InvalidArgument, match=fragment.replace("(", r"\(")):
+        config_from_dict("m", raw)
