@@ -130,6 +130,11 @@ class DataPlane:
             self.engine.repository.resolve(name)  # raises NOT_FOUND (or INVALID_ARGUMENT for a bad name)
         return key
 
+    def served_version(self, name: str, version: str = "") -> str:
+        """The version a call for `version` of `name` runs on, as the wire
+        spells it ("" the default: the highest the policy serves)."""
+        return version_of(self.check_known(name, version))
+
     def is_model_ready(self, name: str, version: str = "") -> bool:
         return self.engine.models.state_of(self._dispatch.key_for(name, version)) is ModelState.READY
 

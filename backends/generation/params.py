@@ -190,6 +190,8 @@ class GenerateRequest:
     tools: tuple[ToolSpec, ...] = ()  # rendered by the chat template (messages only)
     # extra variables for the chat template (add_generation_prompt, enable_thinking, ...), as (name, JSON value)
     chat_template_kwargs: tuple[tuple[str, object], ...] = ()
+    # KServe's model_version (a numbered version folder); "" the model's default version
+    model_version: str = ""
 
     def validate(self) -> None:
         given = sum(bool(x) for x in (self.prompt, self.token_ids, self.messages))

@@ -216,8 +216,8 @@ class Dispatcher:
     # -- generation ------------------------------------------------------------
 
     async def generative(self, name: str, required: frozenset[Capability] = frozenset(),
-                         fail_over: bool = False) -> ServedModel:
-        served = await self.failover.route_around_unhealthy(await self.ensure_loaded(name), fail_over)
+                         fail_over: bool = False, version: str = "") -> ServedModel:
+        served = await self.failover.route_around_unhealthy(await self.ensure_loaded(name, version), fail_over)
         missing = served.backend.missing(required | {Capability.GENERATION})
         if missing or not served.is_generative:
             raise Unimplemented(capability_message(served, missing or frozenset({Capability.GENERATION})))
@@ -235,7 +235,7 @@ class Dispatcher:
                                     "retry later or on another node")
         self.num_streams += 1
         try:
-            with self.counting_call(self.key_for(request.model_name)):
+            with self.counting_call(self.key_for(request.model_name, request.model_version)):
                 # aclosing: a consumer that leaves early closes the inner stream
                 # now (its sequence and memory freed), not whenever it is collected
                 async with contextlib.aclosing(self._generate_or_fail_over(request, timeout_s)) as events:
@@ -248,7 +248,7 @@ class Dispatcher:
         """_generate; a remote engine that fails before its first event hands
         the request to its standby, once: nothing reached the caller, so
         nothing is replayed (a stream that broke mid-way ends with its error)."""
-        current = self.models.get(request.model_name)
+        current = self.models.get(self.key_for(request.model_name, request.model_version))
         via_remote = current is not None and current.remote is not None and current.remote.is_healthy
         attempt = self._generate(request, timeout_s)
         try:
@@ -270,23 +270,32 @@ class Dispatcher:
 
     async def _generate(self, request: GenerateRequest, timeout_s: float | None,
                         fail_over: bool = False) -> AsyncIterator[Event]:
-        served = await self.generative(request.model_name, _generation_capabilities(request), fail_over)
+        served = await self.generative(request.model_name, _generation_capabilities(request), fail_over,
+                                       request.model_version)
         self.memory.acquire(served.key)
         started = time.perf_counter_ns()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         events = served.generative.generate(request)
+        counted = False
         try:
             while True:
                 try:
                     event = await next_event(events, deadline, timeout_s)
                 except StopAsyncIteration:
                     break
+                if isinstance(event, FinalEvent) and not event.error:
+                    # counted before the caller sees it: a front that stops
+                    # reading at the final event (ModelStreamInfer) closes this
+                    # generator there, and the call would go uncounted
+                    counted = True
+                    self.count_success(served, time.perf_counter_ns() - started)
                 yield event
                 if isinstance(event, FinalEvent) and event.error:
                     log.warning("generation_failed", model=request.model_name, request_id=request.request_id,
                                 reason=event.error)
                     raise error_for(event.error_kind, event.error)
-            self.count_success(served, time.perf_counter_ns() - started)
+            if not counted:
+                self.count_success(served, time.perf_counter_ns() - started)
         except ModeldError:
             served.stats.record_failure(time.perf_counter_ns() - started)
             raise

@@ -149,18 +149,19 @@ class InferStream:
         empty_final = wants_empty_final(msg)
         pending = None
         generation, timeout_s = text_request(msg, self.request_id)
+        version = self.plane.served_version(msg.model_name, msg.model_version)
         async for event in self.plane.generate(generation, sooner(timeout_s, call_timeout)):
             if isinstance(event, FinalEvent):
                 if empty_final or pending is None:
-                    await self._put(flagged(text_response(msg, None, event), True))
+                    await self._put(flagged(text_response(msg, None, event, version=version), True))
                 else:
-                    await self._put(flagged(text_response(msg, pending.text, event, [pending]), True))
+                    await self._put(flagged(text_response(msg, pending.text, event, [pending], version), True))
                 return
             if empty_final:
-                await self._put(flagged(text_response(msg, event.text, tokens=[event]), False))
+                await self._put(flagged(text_response(msg, event.text, tokens=[event], version=version), False))
                 continue
             if pending is not None:
-                await self._put(flagged(text_response(msg, pending.text, tokens=[pending]), False))
+                await self._put(flagged(text_response(msg, pending.text, tokens=[pending], version=version), False))
             pending = event
 
     async def _put(self, response: pb.ModelInferResponse) -> None:

@@ -48,7 +48,7 @@ def text_request(msg: pb.ModelInferRequest, request_id: str) -> tuple[GenerateRe
         raise InvalidArgument(f"text_input is not valid UTF-8: {exc}") from None
     params = {k: parameter_value(v) for k, v in msg.parameters.items()}
     request = GenerateRequest(msg.model_name, prompt=prompt, params=sampling_from_parameters(params),
-                              request_id=request_id, priority=priority_of(params))
+                              request_id=request_id, priority=priority_of(params), model_version=msg.model_version)
     return request, timeout_of(params)
 
 
@@ -140,10 +140,11 @@ def _string_list(key: str, value) -> tuple[str, ...]:
 
 
 def text_response(msg: pb.ModelInferRequest, text: str | None, final: FinalEvent | None = None,
-                  tokens: list[TokenEvent] = ()) -> pb.ModelInferResponse:
+                  tokens: list[TokenEvent] = (), version: str = MODEL_VERSION) -> pb.ModelInferResponse:
     """One response: a text chunk (or none), the logprobs of the tokens in
-    it when asked, and usage when it is the last."""
-    response = pb.ModelInferResponse(model_name=msg.model_name, model_version=MODEL_VERSION, id=msg.id)
+    it when asked, and usage when it is the last; `version` is the one that
+    generated it."""
+    response = pb.ModelInferResponse(model_name=msg.model_name, model_version=version, id=msg.id)
     if text is not None:
         response.outputs.add(name="text_output", datatype="BYTES", shape=[1])
         response.raw_output_contents.append(encode_bytes(np.array([text.encode("utf-8")], dtype=object)))
@@ -180,10 +181,11 @@ async def complete_text(plane: DataPlane, msg: pb.ModelInferRequest, request_id:
     own deadline (gRPC) bounds it where that is sooner."""
     chunks, tokens, final = [], [], None
     generation, timeout_s = text_request(msg, request_id)
+    version = plane.served_version(msg.model_name, msg.model_version)
     async for event in plane.generate(generation, sooner(timeout_s, call_timeout_s)):
         if isinstance(event, FinalEvent):
             final = event
         else:
             chunks.append(event.text)
             tokens.append(event)
-    return text_response(msg, "".join(chunks), final, tokens)
+    return text_response(msg, "".join(chunks), final, tokens, version)

@@ -29,6 +29,7 @@ from modeld.backends.load_policy import LoadPolicy
 from modeld.backends.registry import BackendRegistry
 from modeld.gen import generation_pb2 as gpb
 from modeld.gen import inference_pb2 as ipb
+from modeld.server.dataplane import DataPlane
 from modeld.server.engine import Engine
 from modeld.server.memory import MemoryManager
 from modeld.server.metrics import Metrics
@@ -125,7 +126,7 @@ async def test_the_kserve_and_generation_services_serve_it_unchanged(fake, backe
     msg.inputs.add(name="text_input", datatype="BYTES", shape=[1])
     msg.raw_input_contents.append(encode_bytes(np.array([b"Hello"], dtype=object)))
     msg.parameters["max_tokens"].int64_param = 3
-    response = await complete_text(engine, msg, "r1")
+    response = await complete_text(DataPlane(engine), msg, "r1")
     assert response.parameters["finish_reason"].string_param == "length"
     assert response.parameters["completion_tokens"].int64_param == 3
     assert response.raw_output_contents[0][4:].decode() == " one two three"
