@@ -119,7 +119,7 @@ def _run(mode: str, stubs: dict, salt: str, daemons=()) -> dict:
         with lock:
             best = max((_lcp(ids, s) for s in seen), default=0)
             seen.append(ids + answer)
-            rows.append((replies[-1].usage.cached_prompt_tokens, min(best, len(ids) - 1), ttft or 0.0))
+            rows.append((replies[-1].usage.cached_prompt_tokens, min(best, len(ids) - 1), ttft or 0.0, turn))
         conv["prompt"] += "".join(r.text for r in replies) + \
             f"\nUser {c}: {_QUESTIONS[(turn + 1) % len(_QUESTIONS)]}\nAssistant:"
 
@@ -127,8 +127,9 @@ def _run(mode: str, stubs: dict, salt: str, daemons=()) -> dict:
         with ThreadPoolExecutor(CONCURRENCY) as pool:
             list(pool.map(lambda c: one(c, turn), range(NUM_CONVERSATIONS)))
     served = [metric_sum(d, "modeld_requests_total", model=MODEL) - b for d, b in zip(daemons, served_before)]
+    by_turn = [[sum(r[0] for r in rows if r[3] == t), sum(r[1] for r in rows if r[3] == t)] for t in range(NUM_TURNS)]
     return {"cached": sum(r[0] for r in rows), "ideal": sum(r[1] for r in rows), "ttft_s": [r[2] for r in rows],
-            "served_per_node": served}
+            "served_per_node": served, "cached_ideal_by_turn": by_turn}
 
 
 def main() -> None:
@@ -182,6 +183,7 @@ def main() -> None:
         summary[mode] = {"cached_tokens": cached, "ideal_tokens": ideal, "share_of_ideal": round(cached / ideal, 3),
                          "per_round": [round(r["cached"] / r["ideal"], 3) for r in mode_runs],
                          "served_per_node": [r["served_per_node"] for r in mode_runs],
+                         "cached_ideal_by_turn": [r["cached_ideal_by_turn"] for r in mode_runs],
                          "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1),
                          "ttft_p90_ms": round(statistics.quantiles(ttfts, n=10)[-1] * 1000, 1)}
     record = {

@@ -76,6 +76,11 @@ class NodeKvIndex:
     def num_hashes(self) -> int:
         return sum(len(m.hashes) for m in self.models.values())
 
+    def num_blocks(self, model: str) -> int:
+        """Blocks of `model` its cache holds."""
+        blocks = self.models.get(model)
+        return len(blocks.hashes) if blocks is not None else 0
+
     def clear(self) -> None:
         self.models.clear()
         self.next_sequence = 0

@@ -143,7 +143,8 @@ class Router:
         if not indexes:
             return None  # no stream is live: the guess knows more than an empty index
         return KvRequest(overlaps(indexes, indexes, prompt), prompt.num_blocks,
-                         lambda name: self.fleet.by_name[name].kv_active_blocks, OVERLAP_WEIGHT)
+                         lambda name: self.fleet.by_name[name].kv_active_blocks, OVERLAP_WEIGHT,
+                         held_blocks=lambda name: self.fleet.by_name[name].kv.num_blocks(prompt.model))
 
     def place(self, model: str, *, update: bool = False, key: str = "",
               exclude: frozenset[str] = frozenset(), kv: PromptBlocks | None = None) -> tuple[Node, str]:
