@@ -106,6 +106,19 @@ def test_the_replica_of_least_kv_cost_takes_the_prompt():
     assert _place(ring, kv).node == other
 
 
+def test_a_prompt_no_replica_holds_starts_on_the_cache_holding_the_fewest_blocks():
+    ring = HashRing(150)
+    for name in ("a", "b", "c"):
+        ring.add(name)
+    fuller, emptier = ring.replicas("llm", 2)
+    held = {fuller: 40, emptier: 3}
+    kv = KvRequest({}, 12, lambda n: 0, held_blocks=lambda n: held[n])
+    # equal cost on both (nothing cached, nothing running): the emptier cache, every time
+    assert {_place(ring, kv).node for _ in range(20)} == {emptier}
+    held[emptier] = 90
+    assert {_place(ring, kv).node for _ in range(20)} == {fuller}
+
+
 def test_a_replica_still_pulling_the_model_takes_no_call_while_another_has_it_ready():
     ring = HashRing(150)
     for name in ("a", "b", "c"):
