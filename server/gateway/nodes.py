@@ -145,11 +145,6 @@ class Node:
         ready (its while_pulling = "route", the default)."""
         return model in self.pulling and model not in self._pull_waits
 
-    def waits_for_pull(self, model: str) -> bool:
-        """Pulling a model whose calls count the node as a home already
-        (while_pulling = "wait"): calls placed here wait for the pull."""
-        return model in self._pull_waits
-
     def score(self) -> float:
         """The health score, recomputed at most every SCORE_TTL_S: it moves
         over seconds, and routing asks for it several times per call."""
@@ -495,10 +490,6 @@ class Fleet:
         on its base's weights: another node would load the base as well);
         any other model's own name."""
         return self._bases.get(model, model)
-
-    def base_of(self, model: str) -> str:
-        """A LoRA adapter's base model; "" for any other model."""
-        return self._bases.get(model, "")
 
     def replicas(self, model: str, k: int) -> list[str]:
         """The model's k homes on the ring (its base's, for an adapter)."""
