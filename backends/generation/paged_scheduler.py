@@ -52,6 +52,12 @@ class PagedConfig:
 REQUEST_ADAPTER: ContextVar[int] = ContextVar("modeld_request_adapter", default=0)
 
 
+def adapter_salt(adapter: int) -> bytes:
+    """The prefix-cache namespace of an adapter's sequences (b"" for the
+    base, 0), as PromptBlocks hashes a prompt for that adapter."""
+    return adapter.to_bytes(8, "little") if adapter else b""
+
+
 class PagedScheduler(BaseScheduler):
     def __init__(self, config: PagedConfig) -> None:
         super().__init__(config)
@@ -87,10 +93,9 @@ class PagedScheduler(BaseScheduler):
 
     def _salt(self, seq: Sequence) -> bytes:
         """seq's prefix-cache namespace: b"" for the base, the adapter's id
-        otherwise (ids are never reused, so an unloaded adapter's blocks are
-        never another's)."""
-        adapter = self.adapter_of.get(seq.seq_id, 0)
-        return adapter.to_bytes(8, "little") if adapter else b""
+        otherwise (an id names one adapter's weights, so an unloaded
+        adapter's blocks are never another's)."""
+        return adapter_salt(self.adapter_of.get(seq.seq_id, 0))
 
     def _finish(self, seq: Sequence, reason) -> None:
         super()._finish(seq, reason)
