@@ -17,6 +17,7 @@ import numpy as np
 from modeld.backends.errors import BackendFailure, InvalidArgument, LoadFailed
 from modeld.backends.generation.interface import SlotWork, StepPlan
 from modeld.backends.generation.slots import KvOpKind
+from modeld.backends.llamacpp.native_sampling import PickCounts, decode_picking, pick_items
 
 
 def _llama():
@@ -180,6 +181,7 @@ class LlamaContext:
         self.memory = llama.llama_get_memory(self.ctx)
         self.n_batch = n_batch
         self.batch = llama.llama_batch_init(n_batch, 0, 1)
+        self.picks = PickCounts()
 
     def apply_kv_ops(self, ops) -> None:
         llama = _llama()
@@ -208,25 +210,33 @@ class LlamaContext:
             return logits[np.argsort(wanted, kind="stable")] if len(wanted) > 1 else logits
         return self._decode(items, argmax_only)
 
+    def submit(self, chunk: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode of at most n_batch items; their logits are then in llama.cpp's buffer."""
+        batch = self.batch
+        batch.n_tokens = len(chunk)
+        for i, (token, pos, slot, logits) in enumerate(chunk):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = slot, logits
+        code = _llama().llama_decode(self.ctx, batch)
+        if code != 0:
+            raise BackendFailure(f"llama_decode failed with code {code} (KV cache full or invalid batch)")
+
     def _decode(self, items: list[tuple[int, int, int, bool]], argmax_only: bool = False) -> np.ndarray:
         llama = _llama()
         outputs = []
         vocab = self.model.vocab_size
         for start in range(0, len(items), self.n_batch):
             chunk = items[start:start + self.n_batch]
-            batch = self.batch
-            batch.n_tokens = len(chunk)
-            for i, (token, pos, slot, logits) in enumerate(chunk):
-                batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
-                batch.seq_id[i][0], batch.logits[i] = slot, logits
-            code = llama.llama_decode(self.ctx, batch)
-            if code != 0:
-                raise BackendFailure(f"llama_decode failed with code {code} (KV cache full or invalid batch)")
+            self.submit(chunk)
             num_out = sum(1 for item in chunk if item[3])
             if num_out:
                 rows = np.ctypeslib.as_array(llama.llama_get_logits(self.ctx), shape=(num_out, vocab))
                 # the buffer is llama.cpp's and the next decode overwrites it
                 outputs.append(rows.argmax(axis=1) if argmax_only else rows.copy())
+                if argmax_only:
+                    self.picks.rows_argmax += num_out
+                else:
+                    self.picks.rows_copied += num_out
         if not outputs:
             return np.zeros(0, dtype=np.int64) if argmax_only else np.zeros((0, vocab), dtype=np.float32)
         return np.concatenate(outputs) if len(outputs) > 1 else outputs[0]
@@ -243,6 +253,15 @@ class LlamaContext:
         if items:
             return self.decode(items, argmax_only)
         return np.zeros(0, dtype=np.int64) if argmax_only else np.zeros((0, self.model.vocab_size), dtype=np.float32)
+
+    def run_picking(self, plan: StepPlan[SlotWork], picks: dict) -> tuple[np.ndarray, np.ndarray]:
+        """run(plan) where the sequences in picks (seq id -> None: argmax,
+        or a NativeSampler) get their tokens in llama.cpp's buffer and only
+        the others' logits are copied: (tokens [rows], -1 where copied;
+        logits [copied rows, vocab]), native_sampling.decode_picking."""
+        self.apply_kv_ops(plan.kv_ops)
+        items, item_picks = pick_items(plan, picks)
+        return decode_picking(self, items, item_picks)
 
     def close(self) -> None:
         llama = _llama()
