@@ -14,7 +14,8 @@ from modeld.backends.generation.loop import GenerationLoop, GenerationObserver
 from modeld.backends.generation.chat_template import ChatTemplate, model_chat_template, render_chat
 from modeld.backends.generation.params import ChatMessage, ToolSpec
 from modeld.backends.generation.scheduler import admission_from
-from modeld.backends.generation.slot_scheduler import SlotConfig, SlotScheduler
+from modeld.backends.generation.slot_scheduler import SlotConfig
+from modeld.backends.llamacpp.lora import AdapterSlotScheduler
 from modeld.backends.model_config import ModelConfig, ModelFormat, TensorSpec
 from modeld.backends.options import LlamaCppOptions
 from modeld.backends.tensor_model import process_rss
@@ -28,7 +29,7 @@ class LlamaCppBackend(Backend):
     capabilities = frozenset({
         Capability.GENERATION, Capability.STREAMING, Capability.CONTINUOUS_BATCHING,
         Capability.PREFIX_CACHE, Capability.SPECULATIVE_DECODING, Capability.LOGPROBS,
-        Capability.CONSTRAINED_DECODING,
+        Capability.CONSTRAINED_DECODING, Capability.LORA,
     })
 
     def availability(self) -> Verdict:
@@ -109,11 +110,12 @@ class LlamaGenerativeModel(GenerativeModel):
         self.nbytes = max(path.stat().st_size + kv_bytes, process_rss() - rss_before)
         self.inputs, self.outputs = TEXT_SIGNATURE
         context_length = min(options.context_length, self.llama_model.n_ctx_train, n_ctx // n_slots)
-        self.scheduler = SlotScheduler(SlotConfig(
+        self.scheduler = AdapterSlotScheduler(SlotConfig(
             num_slots=n_slots, kv_capacity=n_ctx, context_length=context_length,
             max_step_tokens=step, max_prefill_tokens=options.max_prefill_tokens, max_waiting=options.max_waiting,
             admission=admission_from(options),
-        ))
+        ), config.lora)
+        self.adapters = None  # the LoRA adapters resident on this base (lora.AdapterSet), made with the first
         self.runner = LlamaExecutor(self.llama_model, self.context, template)
         self.draft = self._load_draft(options, n_ctx, n_slots, step, threads)
         if self.draft is not None:
@@ -139,10 +141,19 @@ class LlamaGenerativeModel(GenerativeModel):
         draft.nbytes = max(Path(path).stat().st_size + n_ctx * model.kv_bytes_per_token(), process_rss() - rss_before)
         return draft
 
+    def load_adapter(self, config: ModelConfig, model_dir: Path):
+        """Check a GGUF LoRA of this base and make it resident (backends/llamacpp/lora.py)."""
+        from modeld.backends.llamacpp.lora import load_adapter
+
+        return load_adapter(self, config, model_dir)
+
     def unload(self) -> None:
         COMPUTE_THREAD.submit(self._release).result()
 
     def _release(self) -> None:
+        from modeld.backends.llamacpp.lora import release_adapters
+
+        release_adapters(self)  # before the model: llama.cpp frees what is left of them with it
         if self.draft is not None:
             self.draft.close()
         self.context.close()

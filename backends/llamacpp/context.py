@@ -60,6 +60,7 @@ class LlamaModel:
         self.model = llama.llama_model_load_from_file(str(path).encode(), params)
         if not self.model:
             raise LoadFailed(f"llama.cpp cannot load {path.name}: not a GGUF model it understands")
+        self.path = path
         self.vocab = llama.llama_model_get_vocab(self.model)
         self.vocab_size = llama.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = llama.llama_model_n_ctx_train(self.model)
@@ -181,6 +182,7 @@ class LlamaContext:
         self.memory = llama.llama_get_memory(self.ctx)
         self.n_batch = n_batch
         self.batch = llama.llama_batch_init(n_batch, 0, 1)
+        self.lora = None  # with LoRA adapters resident: their lora.AdapterSet, which sets each decode's adapter
         self.picks = PickCounts()
 
     def apply_kv_ops(self, ops) -> None:
@@ -212,6 +214,8 @@ class LlamaContext:
 
     def submit(self, chunk: list[tuple[int, int, int, bool]]) -> None:
         """One llama_decode of at most n_batch items; their logits are then in llama.cpp's buffer."""
+        if self.lora is not None:  # the chunk's LoRA adapter set on the context (backends/llamacpp/lora.py)
+            self.lora.prepare(chunk)
         batch = self.batch
         batch.n_tokens = len(chunk)
         for i, (token, pos, slot, logits) in enumerate(chunk):
