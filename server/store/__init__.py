@@ -204,12 +204,13 @@ class ModelStore:
 
     # -- pushing -------------------------------------------------------------
 
-    def push(self, folder: Path, text: str, model_format: str = "") -> str:
-        """Write `folder` to an oci:// URI as a ModelPack artifact; its manifest digest."""
+    def push(self, folder: Path, text: str, model_format: str = "", packing: str = "raw") -> str:
+        """Write `folder` to an oci:// URI as a ModelPack artifact, each file a
+        raw layer or a tar layer (`packing`); its manifest digest."""
         uri = parse_uri(text)
         if uri.scheme != "oci":
             raise InvalidArgument(f"modeld pushes to oci:// registries, not {uri.scheme}://")
-        return self._oci.push(folder, uri, model_format)
+        return self._oci.push(folder, uri, model_format, packing)
 
     def close(self) -> None:
         self._oci.close()

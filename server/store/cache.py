@@ -67,7 +67,7 @@ class RemoteFile:
     label: str  # names the file in errors, e.g. "layer sha256:1a2b… (model.onnx)"
     # a source's own check of the finished file (S3's MD5 ETag), given its md5
     check_md5: str | None = None
-    # "tar" or "tar+gzip": a layer packing a folder, unpacked into the model folder (unpack.py); `path` then
+    # "tar", "tar+gzip" or "tar+zstd": a layer packing a folder, unpacked into the model folder (unpack.py); `path` then
     # names only the archive, which the folder does not hold
     unpack: str = ""
 
@@ -360,8 +360,9 @@ class BlobCache:
         once unpacked (a later pull of the same manifest finds the folder)."""
         from .unpack import list_members, open_layer, store_member
 
-        with open_layer(self._blob(digest), f.unpack.endswith("gzip"), f"{listing.uri}: {f.label}") as archive:
-            members = list_members(archive, f"{listing.uri}: {f.label}", MAX_FILES, safe_path)
+        where = f"{listing.uri}: {f.label}"
+        with open_layer(self._blob(digest), f.unpack, where, self.root / "partial", self.budget) as archive:
+            members = list_members(archive, where, MAX_FILES, safe_path)
             need = sum(m.size for m, _ in members)
             with self._lock:
                 self._make_room(need, listing.uri)
@@ -369,8 +370,7 @@ class BlobCache:
             try:
                 found = {}
                 for member, path in members:
-                    member_digest = store_member(archive, member, self.root / "partial", self._blob,
-                                                 f"{listing.uri}: {f.label}")
+                    member_digest = store_member(archive, member, self.root / "partial", self._blob, where)
                     with self._lock:  # named by no entry until the folder is made: kept from the collector
                         self._pinned[member_digest] = self._pinned.get(member_digest, 0) + 1
                         pins.append(member_digest)

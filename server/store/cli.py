@@ -4,7 +4,8 @@
 daemon pulls into its own cache; the bar follows its PULLING status).
 `modeld pull URI --cache-dir DIR` pulls into a cache folder without a
 daemon, e.g. in an init container that warms a node's cache volume.
-`modeld push FOLDER oci://registry/repo:tag` writes a ModelPack artifact.
+`modeld push FOLDER oci://registry/repo:tag [--layers raw|tar]` writes a
+ModelPack artifact.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def add_store_args(sub, credential_args) -> None:
     p.add_argument("folder", type=Path)
     p.add_argument("uri", help="oci://registry/repo:tag")
     p.add_argument("--format", dest="model_format", default="", help="onnx, gguf or safetensors (default: by files)")
+    p.add_argument("--layers", dest="packing", choices=("raw", "tar"), default="raw",
+                   help="each file as itself (raw, the default: `oras pull` gets the files) or in a tar archive "
+                        "of its own (tar, as modctl packs)")
     _registry_args(p)
 
 
@@ -75,7 +79,7 @@ def run_store_command(args, client_credentials) -> int:
                 print(f"modeld: {args.folder} is not a folder", file=sys.stderr)
                 return 2
             store = _store(args)
-            digest = store.push(args.folder, args.uri, args.model_format)
+            digest = store.push(args.folder, args.uri, args.model_format, args.packing)
             print(f"pushed {args.uri}@{digest}")
             return 0
         if args.cache_dir is not None:

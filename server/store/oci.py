@@ -41,9 +41,6 @@ DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
 DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
 MODELPACK_CONFIG = "application/vnd.cncf.model.config.v1+json"
 MODELPACK_ARTIFACT = "application/vnd.cncf.model.manifest.v1+json"
-MODELPACK_WEIGHT = "application/vnd.cncf.model.weight.v1.raw"
-MODELPACK_WEIGHT_CONFIG = "application/vnd.cncf.model.weight.config.v1.raw"
-MODELPACK_DOC = "application/vnd.cncf.model.doc.v1.raw"
 DMR_CONFIG = "application/vnd.docker.ai.model.config.v0.1+json"
 TITLE = "org.opencontainers.image.title"
 MODELPACK_PATH = "org.cncf.model.filepath"
@@ -247,8 +244,12 @@ class Registry:
         return True
 
     def put_blob(self, repo: str, digest: str, content, size: int) -> None:
+        """Upload a blob the registry lacks; `content` is bytes or a callable
+        giving its chunks (a large file streams, never held whole)."""
         if self.has_blob(repo, digest):
             return
+        if callable(content):
+            content = content()
         started = self.check(self.request("POST", f"/v2/{repo}/blobs/uploads/", repo, push=True),
                              f"an upload to {repo}")
         location = started.headers.get("location", "")
@@ -372,12 +373,18 @@ class OciSource:
 
     # -- push -------------------------------------------------------------------
 
-    def push(self, folder: Path, uri: SourceURI, model_format: str = "") -> str:
-        """Write `folder` as a ModelPack artifact; returns the manifest digest."""
+    def push(self, folder: Path, uri: SourceURI, model_format: str = "", packing: str = "raw") -> str:
+        """Write `folder` as a ModelPack artifact, one layer per file: the file
+        itself (`packing="raw"`, `...v1.raw` layers) or a tar archive holding
+        it at its path (`"tar"`, `...v1.tar` layers, as modctl packs); returns
+        the manifest digest."""
         if uri.is_digest:
             raise InvalidArgument(f"{uri.text}: push to a tag, not a digest")
+        if packing not in PACKINGS:
+            raise InvalidArgument(f"layer packing {packing!r} is not known; use one of {', '.join(PACKINGS)}")
         registry = self.registry(uri.host)
-        files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
+        files = sorted((p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")),
+                       key=lambda p: p.relative_to(folder).as_posix())
         if not files:
             raise InvalidArgument(f"{folder} holds no files to push")
         if len(files) > MAX_LAYERS:
@@ -385,18 +392,25 @@ class OciSource:
         layers, diff_ids = [], []
         for path in files:
             rel = path.relative_to(folder).as_posix()
-            digest, size = _file_digest(path)
-            with path.open("rb") as body:
-                registry.put_blob(uri.path, digest, _read_chunks(body), size)
-            layers.append({"mediaType": _layer_media(rel), "digest": digest, "size": size,
-                           "annotations": {TITLE: rel, MODELPACK_PATH: rel}})
-            diff_ids.append(digest)
+            safe_path(rel, f"{folder} (file to push)")
+            if packing == "tar":
+                layer = _TarLayer(path, rel)
+                digest, size, body = layer.digest, layer.size, layer.chunks
+                annotations = {MODELPACK_PATH: rel}  # no title: `oras pull` would write the archive under it
+            else:
+                digest, size = _file_digest(path)
+                body = lambda path=path: _file_chunks(path)  # noqa: E731
+                annotations = {TITLE: rel, MODELPACK_PATH: rel}
+            registry.put_blob(uri.path, digest, body, size)
+            layers.append({"mediaType": _layer_media(rel, packing), "digest": digest, "size": size,
+                           "annotations": annotations})
+            diff_ids.append(digest)  # uncompressed layers: the content's hash is the blob's
         config = {"descriptor": {"name": uri.path.rsplit("/", 1)[-1]},
                   "config": {"format": model_format or _guess_format(files)},
                   "modelfs": {"type": "layers", "diffIds": diff_ids}}
         config_bytes = json.dumps(config, separators=(",", ":")).encode()
         config_digest = "sha256:" + hashlib.sha256(config_bytes).hexdigest()
-        registry.put_blob(uri.path, config_digest, config_bytes, len(config_bytes))
+        registry.put_blob(uri.path, config_digest, lambda: iter((config_bytes,)), len(config_bytes))
         manifest = {"schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": MODELPACK_ARTIFACT,
                     "config": {"mediaType": MODELPACK_CONFIG, "digest": config_digest, "size": len(config_bytes)},
                     "layers": layers}
@@ -405,7 +419,49 @@ class OciSource:
         return "sha256:" + hashlib.sha256(manifest_bytes).hexdigest()
 
 
+PACKINGS = ("raw", "tar")
+_TAR_BLOCK = 512
+
+
+class _TarLayer:
+    """One file as a reproducible tar archive, streamed without a copy on
+    disk: the header (the path, mode 0644, uid/gid 0, mtime 0: the same bytes
+    from any machine, as ModelPack's reproducibility guidance asks), the
+    file's bytes, padding to a block, and the two zero blocks that end an
+    archive. Read twice: once to hash it, once to send it."""
+
+    def __init__(self, path: Path, rel: str) -> None:
+        import tarfile
+
+        self.path = path
+        self.file_size = path.stat().st_size
+        info = tarfile.TarInfo(rel)
+        info.size, info.mode, info.mtime, info.uid, info.gid = self.file_size, 0o644, 0, 0, 0
+        info.uname = info.gname = ""
+        self.header = info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+        self.trailer = b"\0" * (-self.file_size % _TAR_BLOCK) + b"\0" * (2 * _TAR_BLOCK)
+        self.size = len(self.header) + self.file_size + len(self.trailer)
+        hasher = hashlib.sha256()
+        read = 0
+        for chunk in self.chunks():
+            hasher.update(chunk)
+            read += len(chunk)
+        if read != self.size:  # the file changed while it was read
+            raise InvalidArgument(f"{rel} changed while it was packed; push again")
+        self.digest = "sha256:" + hasher.hexdigest()
+
+    def chunks(self) -> Iterator[bytes]:
+        yield self.header
+        left = self.file_size
+        with self.path.open("rb") as f:
+            while left > 0 and (chunk := f.read(min(1024 * 1024, left))):
+                left -= len(chunk)
+                yield chunk
+        yield self.trailer
+
+
 _TAR_MEDIA = {"application/vnd.oci.image.layer.v1.tar": "tar", "application/vnd.oci.image.layer.v1.tar+gzip": "tar+gzip",
+              "application/vnd.oci.image.layer.v1.tar+zstd": "tar+zstd",
               "application/vnd.docker.image.rootfs.diff.tar.gzip": "tar+gzip"}
 
 
@@ -414,19 +470,21 @@ def _annotations(layer: dict) -> dict:
 
 
 def _tar_kind(layer: dict) -> str:
-    """"tar" or "tar+gzip" for a layer that packs a folder, else "". `oras
-    push` labels a plain file ...layer.v1.tar too, so a titled plain tar is a
-    file unless marked for unpacking (oras-go's annotation); a folder oras
-    packs is ...tar+gzip (oras-py marks it no other way); a ModelPack layer
-    says so in its type; an image layer has no title."""
+    """"tar", "tar+gzip" or "tar+zstd" for a layer that packs a folder, else
+    "". `oras push` labels a plain file ...layer.v1.tar too, so a titled plain
+    tar is a file unless marked for unpacking (oras-go's annotation); a
+    folder oras packs is ...tar+gzip (oras-py marks it no other way); a
+    ModelPack layer says so in its type (`...v1.tar`, `+gzip`, `+zstd`); an
+    image layer has no title."""
     annotations = _annotations(layer)
     media = str(layer.get("mediaType", ""))
-    if media.startswith("application/vnd.cncf.model.") and ".tar" in media:
-        return "tar+gzip" if media.endswith(("gzip", ".gz")) else "tar"
+    if media.startswith("application/vnd.cncf.model."):
+        packing = media.rsplit(".v1.", 1)[-1]
+        return packing if packing in ("tar", "tar+gzip", "tar+zstd") else ""
     kind = _TAR_MEDIA.get(media, "")
     if not kind:
         return ""
-    packed = annotations.get("io.deis.oras.content.unpack") == "true" or kind == "tar+gzip"
+    packed = annotations.get("io.deis.oras.content.unpack") == "true" or kind.startswith("tar+")
     return kind if packed or (TITLE not in annotations and MODELPACK_PATH not in annotations) else ""
 
 
@@ -439,20 +497,29 @@ def _file_digest(path: Path) -> tuple[str, int]:
     return "sha256:" + hasher.hexdigest(), size
 
 
-def _read_chunks(body) -> Iterator[bytes]:
-    yield from iter(lambda: body.read(1024 * 1024), b"")
+def _file_chunks(path: Path) -> Iterator[bytes]:
+    with path.open("rb") as body:
+        yield from iter(lambda: body.read(1024 * 1024), b"")
 
 
 _WEIGHT_SUFFIXES = (".onnx", ".gguf", ".safetensors", ".bin", ".pt", ".pt2", ".mlmodel", ".data")
 
 
-def _layer_media(rel: str) -> str:
+def _layer_media(rel: str, packing: str = "raw") -> str:
+    """ModelPack's layer type for a file: weights, their configuration
+    (config.json, tokenizers, vocab.txt, model.toml), documentation or code,
+    packed as `packing` ("raw" or "tar")."""
     name = rel.lower()
+    base = name.rsplit("/", 1)[-1]
     if name.endswith(_WEIGHT_SUFFIXES):
-        return MODELPACK_WEIGHT
-    if name.endswith((".md", ".txt")) or name.startswith(("license", "readme")):
-        return MODELPACK_DOC
-    return MODELPACK_WEIGHT_CONFIG
+        kind = "weight"
+    elif base.endswith(".md") or base.startswith(("license", "readme", "notice", "copying")):
+        kind = "doc"
+    elif base.endswith((".py", ".sh")):
+        kind = "code"
+    else:
+        kind = "weight.config"
+    return f"application/vnd.cncf.model.{kind}.v1.{packing}"
 
 
 def _guess_format(files: list[Path]) -> str:

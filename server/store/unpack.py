@@ -1,5 +1,6 @@
 """Tar layers: an OCI layer that packs a folder (`application/vnd.oci.image.layer.v1.tar`,
-`+gzip`, what `oras push DIR` makes) unpacked into content-addressed blobs.
+`+gzip`, what `oras push DIR` makes; ModelPack's `...v1.tar`, `+gzip` and
+`+zstd`) unpacked into content-addressed blobs.
 
 Every member is checked before a byte of it is written: only regular files
 (and the folders they imply) whose names stay inside the model folder; a
@@ -10,12 +11,13 @@ counted in the cache budget.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tarfile
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from modeld.backends.errors import InvalidArgument
 
@@ -45,11 +47,51 @@ def list_members(archive: tarfile.TarFile, where: str, max_files: int,
     return found
 
 
-def open_layer(blob: Path, compressed: bool, where: str) -> tarfile.TarFile:
+KINDS = ("tar", "tar+gzip", "tar+zstd")
+
+
+@contextlib.contextmanager
+def open_layer(blob: Path, kind: str, where: str, scratch: Path, limit: int) -> Iterator[tarfile.TarFile]:
+    """The layer as a tar archive. A zstd layer is first decompressed into
+    `scratch` (tarfile reads gzip itself but not zstd, and the members are
+    all checked before any is read, which needs a seekable archive); that
+    copy is removed when the archive closes."""
+    if kind not in KINDS:
+        raise InvalidArgument(f"{where}: a {kind!r} layer is not a tar archive modeld can unpack")
+    unpacked = _unzstd(blob, scratch, where, limit) if kind == "tar+zstd" else None
     try:
-        return tarfile.open(blob, "r:gz" if compressed else "r:")
-    except (tarfile.TarError, OSError, EOFError) as exc:
-        raise InvalidArgument(f"{where} is not a readable tar archive: {exc}") from None
+        try:
+            archive = tarfile.open(unpacked or blob, "r:gz" if kind == "tar+gzip" else "r:")
+        except (tarfile.TarError, OSError, EOFError) as exc:
+            raise InvalidArgument(f"{where} is not a readable tar archive: {exc}") from None
+        with archive:
+            yield archive
+    finally:
+        if unpacked is not None:
+            unpacked.unlink(missing_ok=True)
+
+
+def _unzstd(blob: Path, scratch: Path, where: str, limit: int) -> Path:
+    import zstandard
+
+    out_path = scratch / f"zstd-{uuid.uuid4().hex}.part"
+    written = 0
+    try:
+        with blob.open("rb") as raw, zstandard.ZstdDecompressor().stream_reader(raw) as reader, \
+                out_path.open("wb") as out:
+            for chunk in iter(lambda: reader.read(CHUNK), b""):
+                written += len(chunk)
+                if written > limit:  # a small layer that unpacks past the whole cache is refused, not written
+                    raise InvalidArgument(f"{where} unpacks to more than the store's cache budget "
+                                          f"store_cache_budget ({limit} bytes)")
+                out.write(chunk)
+    except zstandard.ZstdError as exc:
+        out_path.unlink(missing_ok=True)
+        raise InvalidArgument(f"{where} is not readable zstd: {exc}") from None
+    except BaseException:
+        out_path.unlink(missing_ok=True)
+        raise
+    return out_path
 
 
 def store_member(archive: tarfile.TarFile, member: tarfile.TarInfo, partial: Path, blob_of: Callable[[str], Path],

@@ -139,6 +139,16 @@ def test_an_inline_load_serves_what_the_oras_library_pushed(served):
     assert infer(client, "by-oras").tolist() == [[2, 2, 2, 2]]
 
 
+def test_a_push_with_tar_layers_serves(served, tmp_path):
+    _, client, registry, _, _ = served
+    uri = registry.uri("models/tarred", "v1")
+    pushed = modeld("push", str(model_folder(tmp_path / "tarred", [6, 7, 8, 9])), uri, "--plain-http",
+                    "--layers", "tar")
+    assert pushed.returncode == 0, pushed.stderr
+    client.load_model("tarred", config=json.dumps({"source": uri}))
+    assert infer(client, "tarred").tolist() == [[6, 7, 8, 9]]
+
+
 def test_s3_and_hub_sources_load_through_their_own_clients(served):
     daemon, client, _, _, _ = served
     client.load_model("from-s3", config=json.dumps({"source": "s3://models/scale/"}))
@@ -248,6 +258,9 @@ def test_a_model_being_pulled_reports_pulling_with_its_bytes(served):
             stats = {m.name: m for m in modeld_client.node_stats().models}
         assert stats["slow"].state == "PULLING"
         assert (stats["slow"].pull_bytes_done, stats["slow"].pull_bytes_total) == (100, size)
+        listed = httpx.get(f"{daemon.http_url}/v1/models/slow", timeout=10).json()
+        assert (listed["state"], listed["ready"]) == ("PULLING", False)
+        assert f"100 of {size} bytes" in listed["reason"]
     finally:
         hub.hold.set()
         loader.join()
