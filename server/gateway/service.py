@@ -26,6 +26,7 @@ from modeld.server.gateway.failure import CallFailed
 from modeld.server.gateway.metrics import GatewayMetrics
 from modeld.server.gateway.nodes import Fleet, Node
 from modeld.server.gateway.router import Router
+from modeld.server.gateway.split import retarget, target_model
 
 log = structlog.get_logger("modeld.gateway")
 
@@ -111,14 +112,17 @@ class GatewayService:
     async def _model(self, data: bytes, field: int) -> str:
         return (await self._routing(data, field))[0]
 
-    def _split(self, data: bytes, field: int, model: str, opts: CallOptions) -> tuple[bytes, str]:
+    def _split(self, data: bytes, field: int, model: str, opts: CallOptions,
+               version_field: int = 0) -> tuple[bytes, str]:
         """The request retargeted when its model is split among others
-        ([gateway.splits]); as it came otherwise."""
+        ([gateway.splits]), and the model it is placed by; as it came
+        otherwise. `version_field`: a KServe request's, which a `name:version`
+        target sets (split.retarget)."""
         target = self.settings.splits.choose(model, opts.session)
         if target == model:
             return data, model
         self.metrics.split_calls.labels(model, target).inc()
-        return wire.with_string_field(data, field, target), target
+        return retarget(data, field, target, version_field), target_model(target)
 
     async def _call(self, node: Node, method: str, data: bytes, opts: CallOptions, model: str = "",
                     context=None, admitted: bool = True) -> bytes:
@@ -253,7 +257,7 @@ class GatewayService:
                     if kserve_timeout:
                         opts.kserve_timeout_s = kserve_timeout / 1e6
                     if split and self.settings.splits:
-                        data, model = self._split(data, field, model, opts)
+                        data, model = self._split(data, field, model, opts, field + 1 if service == INFERENCE else 0)
                 else:
                     model = ""
                 hedge = hedgeable and not opts.update and (opts.urgent or model in self.settings.hedge_models)
@@ -348,13 +352,14 @@ class GatewayService:
             if first is None:
                 return
             model = await self._model(first, 1)
-            if self.settings.splits:
+            chosen = self.settings.splits.choose(model, opts.session) if self.settings.splits else model
+            if chosen != model:
                 # one target for the whole stream: its later requests for the
                 # split name follow the first one's draw
-                first, target = self._split(first, 1, model, opts)
-                if target != model:
-                    requests = self._retargeted(requests, model, target)
-                model = target
+                self.metrics.split_calls.labels(model, chosen).inc()
+                first = retarget(first, 1, chosen, 2)
+                requests = self._retargeted(requests, model, chosen)
+                model = target_model(chosen)
             node, _ = self.router.place(model, update=opts.update)
         except CallFailed as exc:
             await exc.abort(context)
@@ -376,7 +381,7 @@ class GatewayService:
     async def _retargeted(self, requests: AsyncIterator[bytes], model: str, target: str) -> AsyncIterator[bytes]:
         async for request in requests:
             if await self._model(request, 1) == model:
-                request = wire.with_string_field(request, 1, target)
+                request = retarget(request, 1, target, 2)
             yield request
 
     async def _stream_to(self, node: Node, first: bytes, requests, opts: CallOptions, context):

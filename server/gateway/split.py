@@ -5,12 +5,19 @@ models (two versions, or a canary beside the stable one) in proportion.
     chat-v1 = 95                 # go to chat-v1 95% of the time
     chat-v2 = 5                  # and to chat-v2 5% (a canary)
 
+    [gateway.splits.scorer]      # calls to "scorer", between its versions
+    "scorer:1" = 90              # version 1 of the model "scorer" 90% of the time
+    "scorer:2" = 10              # version 2 (a numbered folder) 10%
+
 A call with a session id (the `x-session-id` metadata or header) always
 goes to the same target while the weights stay the same, so one
 conversation never changes model midway; a call without one is drawn at
 random. The hook for the gateway's forwarding: `choose(model, session)`
-names the target, and the gateway's service rewrites the request's model
-field on the wire (`wire.with_string_field`) before forwarding it.
+names the target, and `retarget` rewrites the request on the wire: its
+model field, and for a `name:version` target on a KServe call its
+model_version field, unless the client named a version itself. Calls that
+carry no version (Generate, OpenAI's routes) go to a version target's model
+at the version its node serves by default.
 """
 
 from __future__ import annotations
@@ -22,11 +29,13 @@ from typing import Any
 import xxhash
 
 from modeld.backends.model_config import MODEL_NAME_RE
+from modeld.server.gateway import wire
 
 SESSION_HEADER = "x-session-id"
 MAX_SPLITS = 256
 MAX_TARGETS = 16
 MAX_SESSION = 256  # longer session ids are cut: they only feed the hash
+VERSION_SEPARATOR = ":"  # never in a model name, so "name:version" cannot be one
 
 
 class SplitConfigError(ValueError):
@@ -66,6 +75,42 @@ class TrafficSplit:
         return split.choose(point)
 
 
+def target_parts(target: str) -> tuple[str, str]:
+    """("scorer", "2") for "scorer:2"; (target, "") for a plain model name."""
+    name, sep, version = target.partition(VERSION_SEPARATOR)
+    return (name, version) if sep else (target, "")
+
+
+def target_model(target: str) -> str:
+    """The model a target names: what the call is placed by."""
+    return target_parts(target)[0]
+
+
+def retarget(data: bytes, name_field: int, target: str, version_field: int = 0) -> bytes:
+    """A request's wire bytes sent to `target`: its model field (`name_field`)
+    set to the target's model and, where the message has a version field
+    (`version_field`: KServe's) and the client left it empty, that set to the
+    target's version. Fields are appended, never parsed out: a parser keeps
+    the last value of a singular field (wire.with_string_field)."""
+    name, version = target_parts(target)
+    data = wire.with_string_field(data, name_field, name)
+    if version and version_field and not wire.string_field(data, version_field):
+        data = wire.with_string_field(data, version_field, version)
+    return data
+
+
+def _valid_target(target: object) -> bool:
+    if not isinstance(target, str):
+        return False
+    name, version = target_parts(target)
+    if not MODEL_NAME_RE.fullmatch(name):
+        return False
+    if VERSION_SEPARATOR not in target:
+        return True
+    # a version as Triton numbers its folders: a positive decimal without leading zeros
+    return version.isdigit() and not version.startswith("0") and len(version) <= 19
+
+
 def parse_splits(raw: Any) -> TrafficSplit:
     """`[gateway.splits]` as TOML gives it: {model: {target: weight}}."""
     if raw in (None, {}):
@@ -81,8 +126,9 @@ def parse_splits(raw: Any) -> TrafficSplit:
             raise SplitConfigError(f"gateway split {model!r} must name 1 to {MAX_TARGETS} targets with weights, "
                                    'e.g. {"chat-v1" = 95, "chat-v2" = 5}')
         for target, weight in targets.items():
-            if not isinstance(target, str) or not MODEL_NAME_RE.fullmatch(target):
-                raise SplitConfigError(f"gateway split {model!r}: target {str(target)[:80]!r} is not a model name")
+            if not _valid_target(target):
+                raise SplitConfigError(f"gateway split {model!r}: target {str(target)[:80]!r} is not a model name "
+                                       "or a model name and version (\"name:2\")")
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
                 raise SplitConfigError(f"gateway split {model!r}: weight of {target!r} must be a number >= 0, "
                                        f"got {weight!r}")

@@ -9,7 +9,7 @@ import pytest
 
 from modeld.gen import generation_pb2, inference_pb2
 from modeld.server.gateway import wire
-from modeld.server.gateway.split import SplitConfigError, parse_splits
+from modeld.server.gateway.split import SplitConfigError, parse_splits, retarget, target_model
 
 
 def test_a_canary_gets_its_share_and_a_session_keeps_its_target():
@@ -35,6 +35,11 @@ def test_calls_without_a_session_are_drawn_by_weight():
     ({"../x": {"a": 1}}, "not a model name"),
     ({"chat": {"a/b": 1}}, "not a model name"),
     ({"chat": {"a": True}}, "must be a number"),
+    ({"chat": {"chat:0": 1}}, "model name and version"),
+    ({"chat": {"chat:01": 1}}, "model name and version"),
+    ({"chat": {"chat:v2": 1}}, "model name and version"),
+    ({"chat": {"chat:": 1}}, "model name and version"),
+    ({"chat": {":2": 1}}, "model name and version"),
 ])
 def test_bad_split_tables_are_refused(raw, reason):
     with pytest.raises(SplitConfigError, match=reason):
@@ -66,3 +71,24 @@ def test_the_gateway_settings_read_the_splits_table(tmp_path):
     config.write_text('[gateway]\nnodes = ["127.0.0.1:1"]\n[gateway.splits.chat]\nchat-v1 = -1\n')
     with pytest.raises(GatewayConfigError, match="must be a number >= 0"):
         load_gateway_settings({}, config)
+
+
+def test_a_split_between_versions_sets_the_version_a_kserve_request_left_empty():
+    split = parse_splits({"scorer": {"scorer:1": 1, "scorer:2": 1}})
+    picks = {split.choose("scorer", f"s-{i}") for i in range(200)}
+    assert picks == {"scorer:1", "scorer:2"} and target_model("scorer:2") == "scorer"
+    request = inference_pb2.ModelInferRequest(model_name="scorer", id="r1")
+    request.raw_input_contents.append(b"\1" * 16)
+    data = request.SerializeToString()
+    moved = inference_pb2.ModelInferRequest.FromString(retarget(data, 1, "scorer:2", 2))
+    assert (moved.model_name, moved.model_version, moved.id) == ("scorer", "2", "r1")
+    assert moved.raw_input_contents == [b"\1" * 16]
+    # the client's own version wins over the split's
+    pinned = inference_pb2.ModelInferRequest(model_name="scorer", model_version="1").SerializeToString()
+    assert inference_pb2.ModelInferRequest.FromString(retarget(pinned, 1, "scorer:2", 2)).model_version == "1"
+    # a message without a version field (Generate: field 2 is the prompt) gets the model only
+    prompt = generation_pb2.GenerateRequest(model="scorer", prompt="hello").SerializeToString()
+    moved_prompt = generation_pb2.GenerateRequest.FromString(retarget(prompt, 1, "scorer:2"))
+    assert (moved_prompt.model, moved_prompt.prompt) == ("scorer", "hello")
+    # a plain-name target leaves the version alone
+    assert inference_pb2.ModelInferRequest.FromString(retarget(data, 1, "canary", 2)).model_version == ""

@@ -35,6 +35,7 @@ from modeld.server.gateway.http.forward import (
 )
 from modeld.server.gateway.http.options import HeaderError, HttpCallOptions
 from modeld.server.gateway.http.pools import NodePools
+from modeld.server.gateway.split import target_model, target_parts
 from modeld.server.gateway.http.usage import StreamTokens, charge_answer
 from modeld.server.request_context import REQUEST_ID_HEADER, begin_call, current_request_id, internal_message
 
@@ -298,7 +299,8 @@ class HttpFront:
     def _retargeted(self, body: bytes, fields: Fields, opts: HttpCallOptions, model: str) -> tuple[bytes, str]:
         """A split model's call sent to its target, the body's model
         overridden by appending one (body.with_model)."""
-        target = self._split(model, opts)
+        # OpenAI's routes name no version: a `name:version` target goes to its model
+        target = target_model(self._split(model, opts))
         if target == model:
             return body, model
         if opts.encoding not in ("", "identity"):
@@ -336,10 +338,14 @@ class HttpFront:
             if split and (chosen := self._split(model, opts)) != model:
                 from urllib.parse import quote
 
+                name, version = target_parts(chosen)
                 prefix = "/v2/models/"
                 rest = target[len(prefix):].split("/", 1)
-                target = prefix + quote(chosen, safe="") + ("/" + rest[1] if len(rest) > 1 else "")
-                model = chosen
+                tail = rest[1] if len(rest) > 1 else ""
+                if version and not tail.startswith("versions/"):  # the client's own version wins
+                    tail = f"versions/{version}/{tail}"
+                target = prefix + quote(name, safe="") + ("/" + tail if tail else "")
+                model = name
             call = Call(self._name(scope), _method(scope), target, body, opts, model)
             return await self.forwarder.unary(call, self._hedges(hedgeable, model, opts))
         return handler
