@@ -12,15 +12,18 @@ turn (alternating which goes first, so a busy neighbour slows both alike):
          smollm2-torch (the torch runtime: GGUF dequantisation and
          torch.compile of each layer, in its worker process) and --onnx
          generated ONNX graphs (onnxruntime's session build and graph
-         optimisation, in the daemon), each unloaded again first; the window
-         lasts as long as the loads do
+         optimisation, in the daemon), each unloaded again first, and
+         meanwhile pulls and loads a model of --pull-mib MiB from a local
+         registry (Debian's docker-registry on loopback; a fresh artifact
+         each window, so every byte is fetched and hashed); the window lasts
+         as long as the loads and the pull do
 
 and reports each window's requests per second and busy/quiet per daemon
 (goal: lowered >= 0.8). The machine is shared: the load average is
 recorded, and the ratios of one round against another say how noisy it is.
 Writes bench/results/load_starvation.json.
 
-    .venv/bin/python bench/bench_load_starvation.py [--rounds 2] [--quiet-s 15] [--onnx 4]
+    .venv/bin/python bench/bench_load_starvation.py [--rounds 2] [--quiet-s 15] [--onnx 4] [--pull-mib 256]
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -46,6 +50,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 RESULTS = ROOT / "bench" / "results"
 
 from daemon import start_daemon  # noqa: E402
+from store_servers import start_registry  # noqa: E402
 
 CLIENTS = 32
 MAX_BUSY_S = 600.0
@@ -139,16 +144,57 @@ def drive_for(address: str, requests: list, seconds: float) -> tuple[int, float,
     return asyncio.run(_drive(address, requests, lambda: time.perf_counter() >= stop_at))
 
 
-def busy_window(address: str, requests: list, loads: list[str]) -> dict:
-    """minilm driven while `loads` load one after another (each unloaded first)."""
+def push_pulled(root: Path, registry, tag: str, mib: int) -> str:
+    """A fresh artifact to pull: a small ONNX graph and --pull-mib MiB of
+    random weights beside it, pushed by modeld push's code; its URI."""
+    from modeld.server.store import ModelStore, OciSettings, StoreSettings
+
+    folder = root / "pulled" / tag
+    folder.mkdir(parents=True)
+    (folder / "model.onnx").write_bytes(matmul_chain(1000, width=64, depth=2))
+    with (folder / "weights.bin").open("wb") as out:
+        rng = np.random.default_rng()
+        for _ in range(mib):
+            out.write(rng.bytes(1024 * 1024))
+    uri = registry.uri("starve/pulled", tag)
+    store = ModelStore(StoreSettings(root / "push-cache", 1 << 40, OciSettings(plain_http=(registry.host,))))
+    try:
+        store.push(folder, uri, "onnx")
+    finally:
+        store.close()
+    shutil.rmtree(folder)
+    return uri
+
+
+def busy_window(address: str, requests: list, loads: list[str], pull_uri: str = "") -> dict:
+    """minilm driven while `loads` load one after another (each unloaded
+    first) and, beside them, a model is pulled from `pull_uri` and loaded."""
     import tritonclient.grpc as grpcclient
 
     with grpcclient.InferenceServerClient(address) as client:
         for name in loads:
             client.unload_model(name)
     finished = threading.Event()
+    pulled = threading.Event()
     timings: dict[str, float] = {}
     failure: list[str] = []
+
+    def pull() -> None:
+        try:
+            with grpcclient.InferenceServerClient(address) as client:
+                began = time.perf_counter()
+                client.load_model("pulled", config=json.dumps({"source": pull_uri}), client_timeout=MAX_BUSY_S)
+                timings["pulled"] = round(time.perf_counter() - began, 2)
+                client.unload_model("pulled")
+        except Exception as exc:  # noqa: BLE001 - reported with the round
+            failure.append(f"pull: {type(exc).__name__}: {str(exc)[:200]}")
+        finally:
+            pulled.set()
+
+    if pull_uri:
+        threading.Thread(target=pull, daemon=True).start()
+    else:
+        pulled.set()
 
     def load_all() -> None:
         try:
@@ -164,15 +210,16 @@ def busy_window(address: str, requests: list, loads: list[str]) -> dict:
 
     loader = threading.Thread(target=load_all, daemon=True)
     loader.start()
-    calls, seconds, errors = asyncio.run(_drive(address, requests, finished.is_set))
+    calls, seconds, errors = asyncio.run(_drive(address, requests, lambda: finished.is_set() and pulled.is_set()))
     loader.join()
     return {"calls": calls, "seconds": round(seconds, 2), "rps": calls / seconds, "errors": errors,
             "load_seconds": timings, "load_failure": failure[0] if failure else ""}
 
 
-def start(mode: str, root: Path, niceness: int):
+def start(mode: str, root: Path, niceness: int, registry):
     settings = root / f"{mode}.toml"
-    settings.write_text(f'store_cache_dir = "{root / ("cache-" + mode)}"\n')
+    settings.write_text(f'store_cache_dir = "{root / ("cache-" + mode)}"\n'
+                        f'store_oci_plain_http = ["{registry.host}"]\n')
     env = {**os.environ, "MODELD_LOAD_NICENESS": str(niceness)}
     daemon = start_daemon("--config", str(settings), "--no-preload", repository=root / "repo", env=env, timeout=600)
     import tritonclient.grpc as grpcclient
@@ -194,6 +241,8 @@ def main() -> int:
     parser.add_argument("--quiet-s", type=float, default=15.0)
     parser.add_argument("--onnx", type=int, default=4, help="generated ONNX graphs loaded after smollm2-torch")
     parser.add_argument("--no-torch", action="store_true", help="ONNX loads only")
+    parser.add_argument("--pull-mib", type=int, default=256, help="MiB pulled from a registry in each busy window "
+                                                                   "(0: no pull)")
     args = parser.parse_args()
     started = datetime.now(timezone.utc)
     requests = sentence_requests()
@@ -204,15 +253,18 @@ def main() -> int:
         loads = make_repository(root / "repo", args.onnx)
         if args.no_torch:
             loads = loads[1:]
-        daemons = {"plain": start("plain", root, 0), "lowered": start("lowered", root, 10)}
+        registry = start_registry(root / "registry")
+        daemons = {}
         try:
+            daemons = {"plain": start("plain", root, 0, registry), "lowered": start("lowered", root, 10, registry)}
             for r in range(args.rounds):
                 order = list(daemons) if r % 2 == 0 else list(reversed(daemons))
                 for mode in order:
                     address = daemons[mode].address
+                    pull_uri = push_pulled(root, registry, f"{mode}-{r}", args.pull_mib) if args.pull_mib else ""
                     drive_for(address, requests, 3.0)  # warm: connections up, batches formed
                     calls, seconds, errors = drive_for(address, requests, args.quiet_s)
-                    busy = busy_window(address, requests, loads)
+                    busy = busy_window(address, requests, loads, pull_uri)
                     row = {"round": r, "mode": mode, "quiet_rps": calls / seconds, "quiet_errors": errors,
                            "busy": busy, "ratio": busy["rps"] / (calls / seconds), "load_average": os.getloadavg()}
                     rounds.append(row)
@@ -222,13 +274,16 @@ def main() -> int:
         finally:
             for daemon in daemons.values():
                 daemon.stop()
+            registry.stop()
     summary = {mode: {"median_ratio": statistics.median(r["ratio"] for r in rounds if r["mode"] == mode),
                       "ratios": [round(r["ratio"], 3) for r in rounds if r["mode"] == mode],
                       "median_quiet_rps": statistics.median(r["quiet_rps"] for r in rounds if r["mode"] == mode)}
                for mode in ("plain", "lowered")}
     record = {
         "started": started.isoformat(timespec="seconds"), "machine": platform.platform(), "cpus": os.cpu_count(),
-        "clients": CLIENTS, "loads": loads, "quiet_s": args.quiet_s, "rounds": rounds, "summary": summary,
+        "command": "flock /tmp/coord/bench.lock .venv/bin/python bench/bench_load_starvation.py " + " ".join(sys.argv[1:]),
+        "clients": CLIENTS, "loads": loads, "pull_mib": args.pull_mib, "quiet_s": args.quiet_s, "rounds": rounds,
+        "summary": summary,
         "hooks_in_place": hooks_in_place(), "goal": "lowered median_ratio >= 0.8",
         "goal_met": summary["lowered"]["median_ratio"] >= 0.8,
     }
