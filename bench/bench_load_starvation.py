@@ -218,7 +218,8 @@ def busy_window(address: str, requests: list, loads: list[str], pull_uri: str = 
 
 def start(mode: str, root: Path, niceness: int, registry):
     settings = root / f"{mode}.toml"
-    settings.write_text(f'store_cache_dir = "{root / ("cache-" + mode)}"\n'
+    # a torch compile at nice +10 on a busy shared machine takes minutes: past the 300 s default
+    settings.write_text(f'store_cache_dir = "{root / ("cache-" + mode)}"\nworker_load_timeout_s = {MAX_BUSY_S}\n'
                         f'store_oci_plain_http = ["{registry.host}"]\n')
     env = {**os.environ, "MODELD_LOAD_NICENESS": str(niceness)}
     daemon = start_daemon("--config", str(settings), "--no-preload", repository=root / "repo", env=env, timeout=600)

@@ -6,9 +6,13 @@ with memory for --memory-models of them and disk for --disk-models, behind
 Each model is y = x * w with its own weights plus a padding initializer of
 --model-kib KiB (so no two share a blob), pushed by `modeld push`'s code as a
 ModelPack artifact; each daemon's repository names all of them by
-`source = "oci://..."`. A daemon's memory budget is its own resident share
-(measured on a throwaway daemon after a few loads) plus room for
---memory-models models; its store_cache_budget is --disk-models artifacts.
+`source = "oci://..."`. Every model has one fixed memory figure: the budget
+counts a model at the larger of its artifact's size and its measured growth,
+and onnxruntime drops the unused padding at load, so each counts exactly its
+artifact's bytes (the calibration checks this, and the run records every
+load's figure). A daemon's memory budget is its own share (measured on a
+throwaway daemon) plus --memory-models + 0.5 artifacts, so exactly
+--memory-models fit; its store_cache_budget is --disk-models + 0.5 artifacts.
 --clients clients send --requests calls through the gateway, each to a model
 drawn from Zipf(--zipf) over the models in a fixed shuffled order.
 
@@ -121,7 +125,7 @@ def infer_sync(address: str, model: str) -> None:
 
 def calibrate(root: Path, repo: Path, registry, disk_budget: int, names: list[str]) -> dict:
     """The daemon's own share once onnxruntime is in, and the bytes the books
-    hold for one model (modeld_loaded_bytes, its load's measured figure), on a
+    hold for each model (modeld_loaded_bytes, its load's figure), on a
     throwaway daemon after 8 loads."""
     settings = settings_file(root / "calibrate.toml", root / "cache-calibrate", registry, disk_budget, None)
     daemon = start_daemon("--config", str(settings), "--no-preload", repository=repo)
@@ -130,10 +134,19 @@ def calibrate(root: Path, repo: Path, registry, disk_budget: int, names: list[st
             infer_sync(daemon.address, name)
         time.sleep(6)  # the daemon's share is the least of its last readings: let them follow the loads
         daemon_bytes = metric_sum(daemon, "modeld_memory_daemon_bytes")
-        model_bytes = metric_sum(daemon, "modeld_loaded_bytes") / 8
+        per_model = [int(metric_sum(daemon, "modeld_loaded_bytes", model=name)) for name in names[:8]]
     finally:
         daemon.stop()
-    return {"daemon_bytes": int(daemon_bytes), "model_bytes": int(model_bytes)}
+    return {"daemon_bytes": int(daemon_bytes), "model_bytes": int(statistics.median(per_model)), "per_model_bytes": per_model}
+
+
+def books_figures(nodes: list) -> dict:
+    """What the books counted for each load in the run (model_loaded's nbytes)."""
+    figures = [int(e["nbytes"]) for node in nodes for e in node.events("model_loaded") if "nbytes" in e]
+    if not figures:
+        return {"loads": 0}
+    return {"loads": len(figures), "min": min(figures), "max": max(figures),
+            "distinct": len(set(figures)), "median": int(statistics.median(figures))}
 
 
 async def drive(address: str, plan: list[str], clients: int) -> list[tuple[str, float, float, bool]]:
@@ -241,7 +254,7 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--memory-models", type=int, default=20)
     parser.add_argument("--disk-models", type=int, default=60)
-    parser.add_argument("--model-kib", type=int, default=1024)
+    parser.add_argument("--model-kib", type=int, default=8192)
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--zipf", type=float, default=1.0)
@@ -260,7 +273,10 @@ def main() -> int:
             names = sorted(uris)
             disk_budget = int((args.disk_models + 0.5) * artifact_bytes)
             measured = calibrate(root, repo, registry, disk_budget, names)
-            # the daemon's share moves by a few MB as it serves: half a model of slack
+            if measured["model_bytes"] != artifact_bytes:
+                print(f"note: a model counts {measured['per_model_bytes']} bytes, not its artifact's "
+                      f"{artifact_bytes}: residency will not be exactly --memory-models", flush=True)
+            # the daemon's share moves by a few MB from one daemon to the next: half a model of slack
             memory_budget = int(measured["daemon_bytes"] + (args.memory_models + 0.5) * measured["model_bytes"])
             caches = [root / f"cache-{n}" for n in range(args.nodes)]
             from concurrent.futures import ThreadPoolExecutor
@@ -305,6 +321,9 @@ def main() -> int:
                                         for part in ("pull_s", "load_s", "first_inference_s", "total_s")},
                 "warm_call_s": percentiles([c[2] - c[1] for i, c in enumerate(calls) if i not in waited]),
                 "residency": residency(nodes, caches),
+                "books_bytes_per_load": books_figures(nodes),
+                "command": "flock /tmp/coord/bench.lock .venv/bin/python bench/bench_store_fleet.py "
+                           + " ".join(sys.argv[1:]),
             }
         finally:
             if gateway is not None:
