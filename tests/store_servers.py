@@ -231,9 +231,13 @@ class HubServer:
 
     COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
-    def __init__(self, root: Path, drop_after: int = 0) -> None:
+    def __init__(self, root: Path, drop_after: int = 0, token: str = "") -> None:
         self.root = root
         self.downloads: list[str] = []  # "<file> <Range header>" per GET
+        # with a token, every repository is private: a request without "Bearer <token>" is answered as the
+        # hub answers for a private repository (401, RepoNotFound: it does not say the repository exists)
+        self.token = token
+        self.authorizations: list[str] = []  # the Authorization header of each request, "" when absent
         # the first GET of each file closes its connection after this many bytes (0: never)
         self.drop_after = drop_after
         self._dropped: set[str] = set()
@@ -256,6 +260,10 @@ class HubServer:
             def _serve(self, body: bool) -> None:
                 if hub.fail_with:
                     return self._send(hub.fail_with, b'{"error": "failing on purpose"}')
+                hub.authorizations.append(self.headers.get("Authorization", ""))
+                if hub.token and self.headers.get("Authorization", "") != f"Bearer {hub.token}":
+                    return self._send(401, b'{"error": "Repository not found"}',
+                                      {"Content-Type": "application/json", "X-Error-Code": "RepoNotFound"}, body)
                 path = self.path.split("?", 1)[0]
                 parts = [p for p in path.split("/") if p]
                 if parts[:2] == ["api", "models"]:
