@@ -351,3 +351,95 @@ class HubServer:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+# -- faults in front of a real registry ------------------------------------------------
+
+
+class FaultyProxy:
+    """An HTTP proxy in front of a registry (plain HTTP) that can answer
+    every request with a status of its own (`fail_with`), or cut the first
+    GET of each blob after `drop_after` bytes of its body (a store that drops
+    the connection mid-blob). Everything else, Range headers included, goes
+    through unchanged; `requests` records "<method> <path> <Range>"."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = f"http://{upstream}"
+        self.fail_with = 0
+        self.drop_after = 0
+        self.requests: list[str] = []
+        self._dropped: set[str] = set()
+        self._client = httpx.Client(timeout=60, follow_redirects=True)
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self._forward()
+
+            def do_HEAD(self) -> None:
+                self._forward()
+
+            def do_PUT(self) -> None:
+                self._forward()
+
+            def do_POST(self) -> None:
+                self._forward()
+
+            def do_PATCH(self) -> None:
+                self._forward()
+
+            def _forward(self) -> None:
+                proxy.requests.append(f"{self.command} {self.path} {self.headers.get('Range', '')}".strip())
+                length = int(self.headers.get("Content-Length", 0) or 0)
+                body = self.rfile.read(length) if length else b""
+                if proxy.fail_with:
+                    data = b'{"errors": [{"code": "UNKNOWN", "message": "failing on purpose"}]}'
+                    self.send_response(proxy.fail_with)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
+                answer = proxy._client.request(self.command, proxy.upstream + self.path, headers=headers,
+                                               content=body)
+                data = answer.content
+                blob = self.command == "GET" and "/blobs/sha256:" in self.path
+                cut = blob and proxy.drop_after and self.path not in proxy._dropped and len(data) > proxy.drop_after
+                self.send_response(answer.status_code)
+                for k, v in answer.headers.items():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command == "HEAD":
+                    return
+                if cut:
+                    proxy._dropped.add(self.path)
+                    self.wfile.write(data[:proxy.drop_after])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.server.server_address[1]}"
+
+    def uri(self, repo: str, tag: str) -> str:
+        return f"oci://{self.host}/{repo}:{tag}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._client.close()
