@@ -8,8 +8,10 @@ model; among those the breaker admits and whose health score is above
 1. to a replica that already has the model loaded, if any (residency);
 2. with the daemons' KV events at hand (`kv`), to the one of least KV cost:
    the prompt's blocks it would compute against the blocks active there
-   (kv_index.cost, NVIDIA Dynamo's); otherwise to the one whose forwarded
-   prompts share the longest prefix with this one, if any (a guess);
+   (kv_index.cost, NVIDIA Dynamo's), or, for a prompt no replica holds half
+   of, to the one whose cache holds the fewest blocks (sglang's router);
+   otherwise to the one whose forwarded prompts share the longest prefix
+   with this one, if any (a guess);
 3. to the only one left, or by power of two choices among several;
 
 always among replicas within the load bound of consistent hashing with
@@ -37,6 +39,8 @@ NodeMeasure = Callable[[str], float]
 
 
 RESIDENT_SLACK = 2.0  # how far past the bound a replica holding the model still takes calls
+# A prompt no replica holds this share of goes to the emptiest cache (_least_kv_cost)
+CACHE_THRESHOLD = 0.5
 
 
 class PickReason(str, Enum):
@@ -64,7 +68,7 @@ class KvRequest:
     num_blocks: int
     active_blocks: NodeMeasure
     overlap_weight: float = 1.0
-    held_blocks: NodeMeasure | None = None  # blocks of the model a node's cache holds in all (the tie-break)
+    held_blocks: NodeMeasure | None = None  # blocks of the model a node holds in all (or will: kv_index.expect)
 
     def cost(self, node: str) -> float:
         return self.overlap_weight * (self.num_blocks - self.overlap.get(node, 0)) + self.active_blocks(node)
@@ -259,20 +263,36 @@ def _choose_within(pool: list[str], view: _FleetView, rng: random.Random, prefix
 
 
 def _least_kv_cost(pool: list[str], view: _FleetView, rng: random.Random, kv: KvRequest) -> Pick:
-    """The replica of least KV cost; among equals (typically a prompt no
-    node holds, such as a new system prompt), the one whose cache holds
-    the fewest blocks of the model, then power of two choices. A new prefix
-    then starts on the emptiest cache, and the conversations that share it
-    follow it there: left to chance, two prefixes' conversations met on one
-    node while another held none (bench_kv_routing: 64, 32 and 0 calls of
-    96), and the full node's cache evicted what its conversations came back for."""
-    costs = {n: kv.cost(n) for n in pool}
-    least = min(costs.values())
-    tied = [n for n in pool if costs[n] == least]
-    if len(tied) > 1 and kv.held_blocks is not None:
-        held = {n: kv.held_blocks(n) for n in tied}
+    """Where a prompt goes on the daemons' KV events.
+
+    A prompt that no replica holds at least CACHE_THRESHOLD of (a new
+    system prompt, a one-off) goes to the replica whose cache holds the
+    fewest blocks of the model, as sglang's router sends a prompt whose best
+    match is under its cache_threshold (0.5) to the worker with the
+    smallest tree: what a prompt shares with everything (a chat template's
+    header, a common preamble) says nothing about where it belongs, and on
+    least cost that block or two sent every new prefix to the node already
+    holding one, whose cache then held the conversations of two or three
+    system prompts while another node's stayed empty (bench_kv_routing: 56,
+    40 and 0 calls of 96; 0.82 of the ideal). The conversations on that
+    prefix follow it there by their overlap.
+
+    Otherwise the replica of least KV cost (kv_index.cost, Dynamo's); among
+    equals the one holding the fewest blocks, then power of two choices."""
+    held = {n: kv.held_blocks(n) for n in pool} if kv.held_blocks is not None else None
+    if held is not None and max(kv.overlap.get(n, 0) for n in pool) < CACHE_THRESHOLD * kv.num_blocks:
         fewest = min(held.values())
-        tied = [n for n in tied if held[n] == fewest]
+        tied = [n for n in pool if held[n] == fewest]
+        costs = {n: kv.cost(n) for n in tied}
+        least = min(costs.values())
+        tied = [n for n in tied if costs[n] == least]
+    else:
+        costs = {n: kv.cost(n) for n in pool}
+        least = min(costs.values())
+        tied = [n for n in pool if costs[n] == least]
+        if len(tied) > 1 and held is not None:
+            fewest = min(held[n] for n in tied)
+            tied = [n for n in tied if held[n] == fewest]
     return Pick(tied[0] if len(tied) == 1 else p2c(tied, view.load, view.score, rng), PickReason.KV)
 
 

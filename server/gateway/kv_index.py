@@ -9,6 +9,17 @@ size of 0, more hashes than a node can hold): routing then falls back to
 the prompt-text guess (prefix.py) for that node until a new stream's
 snapshot arrives.
 
+Beside what the events say, each index holds the blocks of the prompts this
+gateway has just sent the node (`expect`, `settle`), as Dynamo's router
+counts a request's blocks on the worker it chose before the worker reports
+them: a prompt's blocks reach the events only once the node has computed
+them (a long prompt's prefill takes seconds on a CPU), and until then a
+second prompt with the same new prefix (another conversation on the same
+system prompt) would see no node holding it and start it on another node,
+which then holds the prefix too and splits its conversations over two
+caches. They count while the call runs and PENDING_GRACE_S after it ends,
+by which time the node's events say whether its cache kept them.
+
 The cost is NVIDIA Dynamo's KV router's (with a larger weight, see OVERLAP_WEIGHT):
 
     cost(node) = overlap_weight * (prompt blocks - blocks the node holds)
@@ -21,7 +32,9 @@ gateway has in flight there); the lowest cost wins.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from modeld.gen import node_pb2
@@ -37,6 +50,11 @@ MAX_MODELS_PER_NODE = 4096
 # the TTFT. A prefill block costs its 16 positions' compute once; an active
 # block slows each step a little: the overlap weighs 4 times as much.
 OVERLAP_WEIGHT = 4.0
+# A sent prompt's blocks count on its node this long after its call ended:
+# the node gathers its cache's changes every 50 ms (nodes.KV_WATCH_INTERVAL_MS)
+# and the ended call's blocks are in the next message; a claim past what the
+# cache kept costs at most one miss within this time.
+PENDING_GRACE_S = 1.0
 
 
 class KvEventError(ValueError):
@@ -64,27 +82,91 @@ class ModelBlocks:
         self.hashes: set[int] = set()
 
 
-class NodeKvIndex:
-    """One node's prefix caches as its event stream tells them."""
+class PendingBlocks:
+    """Blocks of one model's prompts sent to a node that its events may not
+    show yet: hash -> calls running with it, and hash -> until when it still
+    counts after its last call ended (in order of that time)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("block_size", "running", "ending")
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.running: Counter[int] = Counter()
+        self.ending: dict[int, float] = {}
+
+    def holds(self, h: int, now: float) -> bool:
+        return h in self.running or self.ending.get(h, -1.0) > now
+
+    def prune(self, now: float) -> None:
+        ending = self.ending
+        while ending:
+            h = next(iter(ending))
+            if ending[h] > now:
+                break
+            del ending[h]
+
+
+class NodeKvIndex:
+    """One node's prefix caches as its event stream tells them, and the
+    blocks of the prompts just sent there (module docstring)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.models: dict[str, ModelBlocks] = {}
+        self.pending: dict[str, PendingBlocks] = {}
         self.next_sequence = 0
         self.live = False  # a snapshot came on the current stream
+        self._clock = clock
 
     @property
     def num_hashes(self) -> int:
         return sum(len(m.hashes) for m in self.models.values())
 
     def num_blocks(self, model: str) -> int:
-        """Blocks of `model` its cache holds."""
+        """Blocks of `model` its cache holds, or will once the prompts sent
+        there are computed."""
         blocks = self.models.get(model)
-        return len(blocks.hashes) if blocks is not None else 0
+        held = blocks.hashes if blocks is not None else set()
+        pending = self.pending.get(model)
+        if pending is None:
+            return len(held)
+        now = self._clock()
+        extra = {h for h in (*pending.running, *pending.ending) if h not in held and pending.holds(h, now)}
+        return len(held) + len(extra)
 
     def clear(self) -> None:
         self.models.clear()
+        self.pending.clear()  # the stream ended: the node restarted or left, its cache is gone
         self.next_sequence = 0
         self.live = False
+
+    def expect(self, prompt: PromptBlocks) -> None:
+        """A call with this prompt was sent here: its blocks count as held."""
+        if not prompt.hashes:
+            return
+        pending = self.pending.get(prompt.model)
+        if pending is None or pending.block_size != prompt.block_size:
+            pending = self.pending[prompt.model] = PendingBlocks(prompt.block_size)
+        pending.running.update(prompt.hashes)
+
+    def settle(self, prompt: PromptBlocks) -> None:
+        """That call ended: its blocks count for PENDING_GRACE_S more, then
+        only as the node's events tell."""
+        pending = self.pending.get(prompt.model)
+        if pending is None or pending.block_size != prompt.block_size:
+            return  # cleared meanwhile (the stream ended)
+        now = self._clock()
+        pending.prune(now)
+        until = now + PENDING_GRACE_S
+        for h in prompt.hashes:
+            left = pending.running.get(h, 0) - 1
+            if left > 0:
+                pending.running[h] = left
+                continue
+            pending.running.pop(h, None)
+            pending.ending.pop(h, None)  # re-inserted at the end: the dict stays in order of time
+            pending.ending[h] = until
+        if not pending.running and not pending.ending:
+            del self.pending[prompt.model]
 
     def apply(self, events: node_pb2.KvEvents) -> None:
         """Take one message of the stream; KvEventError (the index cleared)
@@ -130,14 +212,17 @@ class NodeKvIndex:
 
     def overlap(self, prompt: PromptBlocks) -> int:
         """Leading blocks of the prompt this node holds (a cache serves a
-        prefix: a later block without the ones before it is of no use)."""
+        prefix: a later block without the ones before it is of no use),
+        counting those of the prompts just sent here."""
         blocks = self.models.get(prompt.model)
-        if blocks is None or blocks.block_size != prompt.block_size:
-            return 0
-        held = blocks.hashes
+        held = blocks.hashes if blocks is not None and blocks.block_size == prompt.block_size else ()
+        pending = self.pending.get(prompt.model)
+        if pending is not None and pending.block_size != prompt.block_size:
+            pending = None
+        now = self._clock() if pending is not None else 0.0
         count = 0
         for h in prompt.hashes:
-            if h not in held:
+            if h not in held and (pending is None or not pending.holds(h, now)):
                 break
             count += 1
         return count

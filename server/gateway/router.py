@@ -279,16 +279,19 @@ class Route:
 
     def _charge(self, node: Node) -> None:
         """The prompt's blocks count as active on the node the call is on
-        (kv_index.cost's second term) until `finish`."""
+        (kv_index.cost's second term) until `finish`, and as held there
+        (kv_index: expect) before its events can say so."""
         self.finish()
         if self.kv is not None:
             node.kv_active_blocks += self.kv.num_blocks
+            node.kv.expect(self.kv)
             self._charged = node
 
     def finish(self) -> None:
         """The call ended: its blocks are no longer active where it ran."""
         if self._charged is not None and self.kv is not None:
             self._charged.kv_active_blocks -= self.kv.num_blocks
+            self._charged.kv.settle(self.kv)
             self._charged = None
 
 

@@ -14,7 +14,7 @@ import pytest
 from modeld.gen import node_pb2 as pb
 from modeld.server.gateway.balance import KvRequest, PickReason, place
 from modeld.server.gateway.config import GatewaySettings
-from modeld.server.gateway.kv_index import KvEventError, NodeKvIndex, PromptBlocks
+from modeld.server.gateway.kv_index import PENDING_GRACE_S, KvEventError, NodeKvIndex, PromptBlocks
 from modeld.server.gateway.metrics import GatewayMetrics
 from modeld.server.gateway.nodes import Node
 from modeld.server.gateway.ring import HashRing
@@ -119,6 +119,20 @@ def test_a_prompt_no_replica_holds_starts_on_the_cache_holding_the_fewest_blocks
     assert {_place(ring, kv).node for _ in range(20)} == {fuller}
 
 
+def test_a_prompt_no_replica_holds_half_of_goes_to_the_emptiest_cache_whatever_its_first_block():
+    ring = HashRing(150)
+    for name in ("a", "b", "c"):
+        ring.add(name)
+    fuller, emptier = ring.replicas("llm", 2)
+    held = {fuller: 40, emptier: 0}
+    # the fuller one holds the prompt's first block (a header every prompt shares): a new prefix all the same
+    kv = KvRequest({fuller: 1}, 12, lambda n: 0, held_blocks=lambda n: held[n])
+    assert {_place(ring, kv).node for _ in range(20)} == {emptier}
+    # half of it or more held there: its least KV cost
+    kv = KvRequest({fuller: 6}, 12, lambda n: 0, held_blocks=lambda n: held[n])
+    assert {_place(ring, kv).node for _ in range(20)} == {fuller}
+
+
 def test_a_replica_still_pulling_the_model_takes_no_call_while_another_has_it_ready():
     ring = HashRing(150)
     for name in ("a", "b", "c"):
@@ -164,3 +178,71 @@ async def test_a_stream_of_bytes_that_do_not_parse_leaves_the_node_without_an_in
         await asyncio.gather(task, return_exceptions=True)
         await node.channel.close()
         await server.stop(0)
+
+
+def test_a_prompt_sent_to_a_node_counts_as_held_there_until_shortly_after_its_call_ends():
+    now = [100.0]
+    index = NodeKvIndex(clock=lambda: now[0])
+    index.apply(_events(0, _model([1]), snapshot=True))
+    prompt = PromptBlocks("llm", 16, (1, 2, 3))
+    assert index.overlap(prompt) == 1
+    index.expect(prompt)
+    index.expect(PromptBlocks("llm", 16, (1, 2, 7)))  # a second call sharing blocks 1 and 2
+    assert index.overlap(prompt) == 3 and index.num_blocks("llm") == 4
+    assert index.overlap(PromptBlocks("other", 16, (1, 2, 3))) == 0  # another model's blocks
+    assert index.overlap(PromptBlocks("llm", 32, (2,))) == 0  # another block size
+    index.settle(prompt)
+    now[0] += PENDING_GRACE_S / 2
+    assert index.overlap(prompt) == 3  # the node's events may not have told yet
+    now[0] += PENDING_GRACE_S
+    # past the grace only what the events say, and what the running call holds
+    assert index.overlap(prompt) == 2 and index.num_blocks("llm") == 3
+    index.settle(PromptBlocks("llm", 16, (1, 2, 7)))
+    index.clear()  # the stream ended: the node's cache is gone, and what was sent there with it
+    index.apply(_events(0, _model([]), snapshot=True))
+    assert index.overlap(prompt) == 0 and not index.pending
+
+
+@pytest.fixture
+async def router():
+    from modeld.server.gateway.nodes import Fleet
+    from modeld.server.gateway.router import Router
+
+    addresses = tuple(f"127.0.0.1:{9200 + i}" for i in range(3))
+    settings, metrics = GatewaySettings(nodes=addresses, replicas=3), GatewayMetrics()
+    fleet = Fleet(settings, metrics)
+    for address in addresses:  # as if each had said SERVING and sent an empty snapshot; no tasks run
+        node = Node(address, settings, metrics, fleet._changed)
+        node.serving = node.ever_served = True
+        node.kv.apply(_events(0, _model([]), snapshot=True))
+        fleet.by_address[address] = node
+    fleet._rebuild()
+    yield Router(fleet, settings, metrics, rng=random.Random(0))
+    await fleet.close()
+
+
+class _Context:
+    def invocation_metadata(self):
+        return ()
+
+    def time_remaining(self):
+        return None
+
+
+async def test_conversations_on_a_new_system_prompt_follow_the_first_before_its_blocks_are_reported(router):
+    """Before any node's events show a new system prompt's blocks (its
+    first call still prefilling), the next conversations on it go where
+    the first went, not to a node holding none, which would split the
+    prompt's conversations over two caches; a prompt on another system
+    prompt starts elsewhere."""
+    from modeld.server.gateway.call_options import CallOptions
+
+    system = tuple(range(1000, 1020))
+    routes = [router.route("/modeld.v1.Generation/Generate", "llm", CallOptions(_Context()),
+                           kv=PromptBlocks("llm", 16, system + (i,))) for i in range(3)]
+    assert len({r.node.name for r in routes}) == 1, [r.node.name for r in routes]
+    other = router.route("/modeld.v1.Generation/Generate", "llm", CallOptions(_Context()),
+                         kv=PromptBlocks("llm", 16, tuple(range(2000, 2020))))
+    assert other.node is not routes[0].node
+    for route in (*routes, other):
+        route.finish()
