@@ -30,6 +30,24 @@ class StepExecutor(ABC):
         pass, and return the logits asked for: [sum of num_logits, vocab]
         float32, in plan order."""
 
+    # whether native_sampler and run_picking are implemented
+    samples_natively = False
+
+    def native_sampler(self, seq):
+        """A sampler the runtime draws this sampled sequence's tokens with
+        where its logits lie, or None: the loop samples them in numpy. The
+        loop asks once per sequence, on the worker thread, and closes it
+        (`close()`) when the sequence finishes."""
+        return None
+
+    def run_picking(self, plan: StepPlan, picks: dict) -> tuple[np.ndarray, np.ndarray]:
+        """run(plan), where each sequence in picks (seq id -> None for each
+        of its rows' argmax, or its native_sampler for its one row) gets its
+        tokens in the runtime and only the other rows are copied out:
+        (tokens [rows] int64 in plan order, -1 for a copied row; logits
+        [copied rows, vocab] float32 in plan order)."""
+        raise NotImplementedError
+
     def run_greedy(self, plan: StepPlan) -> np.ndarray:
         """run(plan), then each logit row's argmax ([rows] int64): for a step
         whose every row is decoded greedily with nothing applied to its

@@ -20,6 +20,12 @@ the step in one llguidance call off the GIL (constraints.py). Draft tokens
 are verified against the masked rows, so a draft the grammar refuses is
 rejected like any other; the matcher then consumes the tokens kept, and a
 grammar that can take nothing more ends the sequence (STOP).
+
+Rows nothing in numpy needs stay in the runtime (run_picking): a plain
+greedy row's argmax, and a sampled row the runtime's own sampler can draw
+exactly (native_sampler; llama.cpp's sampler chain), so only the rows
+that logit processors, masks, logprobs or draft verification read are
+copied out as [vocab] floats.
 """
 
 from __future__ import annotations
@@ -95,6 +101,8 @@ class GenerationLoop:
         self.step_counts = StepCounts()
         self._constraints: ConstraintCompiler | None = None
         self._sequences: dict[int, Sequence] = {}  # seq id -> every request not yet finished
+        # seq id -> its native sampler (runner.native_sampler), or False where the loop samples it
+        self._native: dict[int, object] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
@@ -236,12 +244,13 @@ class GenerationLoop:
                     doing = "sampling"
                     results = self._take_greedy(plan, tokens)
                 else:
-                    logits = self.runner.run(plan)
+                    picks = self._picks(plan)
+                    picked, logits = self.runner.run_picking(plan, picks) if picks else (None, self.runner.run(plan))
                     self._count(plan)
                     doing = "computing constraint masks"
                     masks = masks.result() if masks is not None else {}
                     doing = "sampling"
-                    results = self._sample(plan, logits, masks)
+                    results = self._sample(plan, logits, masks, picked)
         except Exception as exc:  # a runtime fault: fail the sequences in it, keep serving
             log.exception("generation_step_failed", stage=doing)
             failed = SeqResult(finish_reason=FinishReason.ERROR, error_kind=ErrorKind.UNAVAILABLE,
@@ -296,18 +305,26 @@ class GenerationLoop:
 
     # -- results ---------------------------------------------------------------
 
-    def _sample(self, plan: StepPlan, logits: np.ndarray,
-                masks: dict[int, np.ndarray] | None = None) -> dict[int, SeqResult]:
+    def _sample(self, plan: StepPlan, logits: np.ndarray, masks: dict[int, np.ndarray] | None = None,
+                picked: np.ndarray | None = None) -> dict[int, SeqResult]:
+        """picked: from run_picking, each row's token where the runtime took
+        it (-1 where not); logits then holds only the other rows."""
         results: dict[int, SeqResult] = {}
         live: list[tuple[Sequence, SeqWork, np.ndarray]] = []
-        row = 0
+        row = wanted = 0
         for work in plan.work:
-            rows = logits[row:row + work.num_logits]
-            row += work.num_logits
+            first, wanted = wanted, wanted + work.num_logits
             if work.num_logits == 0:
                 continue  # a prompt chunk: no token yet
             seq = self._sequences.get(work.seq_id)
-            if seq is not None and not seq.is_cancelled:
+            live_seq = seq is not None and not seq.is_cancelled
+            if picked is not None and picked[first] >= 0:
+                if live_seq:
+                    results[work.seq_id] = self._picked(seq, work, picked[first:wanted].tolist())
+                continue
+            rows = logits[row:row + work.num_logits]
+            row += work.num_logits
+            if live_seq:
                 live.append((seq, work, rows))
         masks = masks or {}
         for seq, work, rows in live:
@@ -343,15 +360,48 @@ class GenerationLoop:
             seq = self._sequences.get(work.seq_id)
             if seq is None or seq.is_cancelled:
                 continue
-            drafts = _drafts(work)
-            tokens = picked[first:first + len(drafts) + 1]
-            accepted = 0
-            while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
-                accepted += 1
-            tokens = tokens[:accepted + 1]
-            taken, reason = self._emit(seq, tokens, None)
-            results[work.seq_id] = SeqResult(tuple(taken), accepted, reason)
+            results[work.seq_id] = self._picked(seq, work, picked[first:row])
         return results
+
+    def _picked(self, seq: Sequence, work: SeqWork, tokens: list[int]) -> SeqResult:
+        """A sequence's result from the tokens the runtime took for its rows
+        (argmax, or its native sampler's draw for a row without drafts):
+        drafts are accepted while they equal them (as _verify does), then one token."""
+        drafts = _drafts(work)
+        accepted = 0
+        while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
+            accepted += 1
+        taken, reason = self._emit(seq, tokens[:accepted + 1], None)
+        return SeqResult(tuple(taken), accepted, reason)
+
+    def _picks(self, plan: StepPlan) -> dict:
+        """seq id -> how the runtime takes that sequence's tokens where its
+        logits lie (StepExecutor.run_picking): None for each row's argmax
+        (plain greedy, or a sequence no longer served), else the sequence's
+        native sampler. Empty when the runtime has no native sampling: every
+        row is then copied out, as before."""
+        if not self.runner.samples_natively:
+            return {}
+        picks = {}
+        for work in plan.work:
+            if not work.num_logits:
+                continue
+            seq = self._sequences.get(work.seq_id)
+            if seq is None or seq.is_cancelled:
+                picks[work.seq_id] = None  # its rows are thrown away: copy none of them
+                continue
+            params = seq.params
+            if params.is_greedy:
+                if not (params.logprobs or seq.matcher is not None or needs_adjusting(params, seq.num_output)):
+                    picks[work.seq_id] = None
+                continue
+            sampler = self._native.get(seq.seq_id)
+            if sampler is None:
+                # decided once per sequence: its tokens come from one generator all its life
+                sampler = self._native[seq.seq_id] = self.runner.native_sampler(seq) or False
+            if sampler is not False and not work.num_drafts:
+                picks[work.seq_id] = sampler
+        return picks
 
     def _start_masks(self, plan: StepPlan):
         """The step's constraint masks, computed while the model runs: they
@@ -493,6 +543,9 @@ class GenerationLoop:
         """The scheduler let seq go (its KV is released): send its final event."""
         if self.draft is not None:
             self.draft.release(seq)
+        sampler = self._native.pop(seq.seq_id, False)
+        if sampler is not False:
+            sampler.close()
         if self._sequences.pop(seq.seq_id, None) is None:
             return  # abandoned: its final event went out already
         usage = Usage(
@@ -513,6 +566,10 @@ class GenerationLoop:
             seq.stream.queue.put_nowait(FinalEvent(FinishReason.ERROR, usage, f"generation failed: {exc}",
                                                    ErrorKind.INTERNAL))
         self._sequences.clear()
+        for sampler in self._native.values():
+            if sampler is not False:
+                sampler.close()
+        self._native.clear()
 
 
 _NO_IDS = np.zeros(0, dtype=np.int64)

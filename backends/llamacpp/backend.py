@@ -64,6 +64,18 @@ class LlamaExecutor(StepExecutor):
     def run_greedy(self, plan: StepPlan[SlotWork]):
         return self.context.run(plan, argmax_only=True)
 
+    samples_natively = True
+
+    def native_sampler(self, seq):
+        from modeld.backends.llamacpp.native_sampling import NativeSampler, samples_natively
+
+        if not samples_natively(seq.params):
+            return None
+        return NativeSampler(self.model, seq.params, seq.prompt_ids, seq.token_ids[seq.num_prompt:])
+
+    def run_picking(self, plan: StepPlan[SlotWork], picks: dict):
+        return self.context.run_picking(plan, picks)
+
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.model.tokenize(text, add_special)
 

@@ -45,6 +45,7 @@ in numpy.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,12 +141,32 @@ class NativeSampler:
         """The token drawn from the logits of batch position batch_index of
         the context's last decode, accepted into the chain."""
         token = self._llama.llama_sampler_sample(self.chain, ctx, batch_index)
+        self._took_one()
+        return token
+
+    def sample_row(self, logits: np.ndarray) -> int:
+        """sample() from a [vocab] float32 row given here rather than the
+        context's buffer, by llama_sampler_sample's own steps (every token
+        a candidate, the chain applied, its pick accepted): how the unit
+        tests hold the chain to numpy's semantics without a model."""
+        llama = self._llama
+        data = (llama.llama_token_data * logits.shape[0])()
+        view = np.ctypeslib.as_array(data)
+        view["id"] = np.arange(logits.shape[0])
+        view["logit"] = logits
+        candidates = llama.llama_token_data_array(data, logits.shape[0], -1, False)
+        llama.llama_sampler_apply(self.chain, ctypes.byref(candidates))
+        token = int(data[candidates.selected].id)
+        llama.llama_sampler_accept(self.chain, token)
+        self._took_one()
+        return token
+
+    def _took_one(self) -> None:
         self.num_output += 1
         if self._mask_index is not None and self.num_output >= self._min_tokens:
             # removed, the chain no longer owns it
             self._llama.llama_sampler_free(self._llama.llama_sampler_chain_remove(self.chain, self._mask_index))
             self._mask_index = None
-        return token
 
     def close(self) -> None:
         if self.chain:
