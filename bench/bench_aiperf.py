@@ -20,7 +20,14 @@ Ratios are modeld / llama-server per round, reported as medians: output
 token throughput (higher is better), time to first token p50 and
 inter-token latency p50 (lower is better).
 
+--omp-wait-policy PASSIVE,ACTIVE races two modeld daemons in the same
+rounds, one per OpenMP wait policy of llama.cpp's compute threads
+(OMP_WAIT_POLICY, which modeld sets to PASSIVE unless the environment
+gives one): sides "modeld" (the first policy) and "modeld-ACTIVE", each
+against llama-server, and ACTIVE against PASSIVE.
+
     .venv/bin/python bench/bench_aiperf.py [--rounds 2] [--concurrency 8,32] [--placements unpinned,pinned] [--waves 2]
+                                           [--omp-wait-policy PASSIVE[,ACTIVE]]
 
 Writes bench/results/aiperf.json.
 """
@@ -49,16 +56,16 @@ TOKENIZER = ROOT / "var/hf/smollm2"
 RESULTS = ROOT / "bench/results"
 INPUT_TOKENS, OUTPUT_TOKENS = 128, 64
 WARMUP_REQUESTS = 4
-SIDES = ["modeld", "llama-server"]
 
 
 class ModeldHttp:
     """modeld serve with smollm2 loaded, its OpenAI API on a free port."""
 
-    def __init__(self) -> None:
+    def __init__(self, wait_policy: str = "") -> None:
         from daemon import start_daemon
 
-        self.daemon = start_daemon("--metrics-port", "-1", "--no-preload", repository=ROOT / "models")
+        env = {"OMP_WAIT_POLICY": wait_policy} if wait_policy else None
+        self.daemon = start_daemon("--metrics-port", "-1", "--no-preload", repository=ROOT / "models", env=env)
         import tritonclient.grpc as tc
 
         client = tc.InferenceServerClient(self.daemon.address)
@@ -105,20 +112,31 @@ def aiperf(url: str, concurrency: int, pinned: bool, artifacts: Path, waves: int
             "wall_s": time.monotonic() - started}
 
 
-def race(rounds: int, concurrencies: list[int], placements: list[str], waves: int) -> list[dict]:
+def race(rounds: int, concurrencies: list[int], placements: list[str], waves: int,
+         policies: list[str]) -> list[dict]:
     runs = []
+    sides = sides_of(policies)
     with tempfile.TemporaryDirectory(prefix="modeld-aiperf-") as tmp:
         for r in range(rounds):
-            node, peer = ModeldHttp(), LlamaServer()
+            # the first policy is the side named "modeld"; "" leaves modeld's own default. An
+            # ACTIVE daemon's idle OpenMP team spins for seconds on end, on the cores the
+            # other sides run on: it is up only for its own runs
+            policy_of = dict(zip(sides, policies))
+            nodes = {side: ModeldHttp(policy) for side, policy in policy_of.items() if policy != "ACTIVE"}
+            peer = LlamaServer()
             try:
-                got: dict = {"round": r, "first": round_order(SIDES, r)[0]}
+                got: dict = {"round": r, "first": round_order(sides + ["llama-server"], r)[0]}
                 for concurrency in concurrencies:
                     for placement in placements:
-                        for side in round_order(SIDES, r):
-                            settle([node.pid, peer.proc.pid])
-                            url = node.url if side == "modeld" else peer.url
+                        for side in round_order(sides + ["llama-server"], r):
+                            if side not in nodes and side != "llama-server":
+                                nodes[side] = ModeldHttp(policy_of[side])  # aiperf's warmup requests warm it
+                            settle([n.pid for n in nodes.values()] + [peer.proc.pid])
+                            url = nodes[side].url if side in nodes else peer.url
                             artifacts = Path(tmp) / f"r{r}-c{concurrency}-{placement}-{side}"
                             figures = aiperf(url, concurrency, placement == "pinned", artifacts, waves)
+                            if policy_of.get(side) == "ACTIVE":
+                                nodes.pop(side).stop()
                             shutil.rmtree(artifacts, ignore_errors=True)
                             got[f"{side} c{concurrency} {placement}"] = figures
                             print(f"round {r}, {side}, concurrency {concurrency}, {placement}: "
@@ -126,14 +144,21 @@ def race(rounds: int, concurrencies: list[int], placements: list[str], waves: in
                                   f"{figures['time_to_first_token'].get('p50', 0):.0f} ms, itl p50 "
                                   f"{figures['inter_token_latency'].get('p50', 0):.1f} ms", flush=True)
             finally:
-                node.stop()
+                for node in nodes.values():
+                    node.stop()
                 peer.stop()
             runs.append(got)
     return runs
 
 
-def summarise(runs: list[dict], concurrencies: list[int], placements: list[str]) -> dict:
+def sides_of(policies: list[str]) -> list[str]:
+    """The modeld sides' names: "modeld" for the first policy, "modeld-POLICY" for the others."""
+    return ["modeld"] + [f"modeld-{p}" for p in policies[1:]]
+
+
+def summarise(runs: list[dict], concurrencies: list[int], placements: list[str], policies: list[str]) -> dict:
     out = {}
+    sides = sides_of(policies)
     for concurrency in concurrencies:
         for placement in placements:
             key = f"c{concurrency} {placement}"
@@ -141,21 +166,28 @@ def summarise(runs: list[dict], concurrencies: list[int], placements: list[str])
             def series(side: str, metric: str, stat: str) -> list[float]:
                 return [g[f"{side} {key}"][metric][stat] for g in runs]
 
-            throughput = median_ratio(series("modeld", "output_token_throughput", "avg"),
-                                      series("llama-server", "output_token_throughput", "avg"))
-            ttft = median_ratio(series("modeld", "time_to_first_token", "p50"),
-                                series("llama-server", "time_to_first_token", "p50"))
-            itl = median_ratio(series("modeld", "inter_token_latency", "p50"),
-                               series("llama-server", "inter_token_latency", "p50"))
+            def ratios_of(side: str, against: str) -> dict:
+                return {"output_token_throughput": median_ratio(series(side, "output_token_throughput", "avg"),
+                                                                series(against, "output_token_throughput", "avg")),
+                        "time_to_first_token_p50": median_ratio(series(side, "time_to_first_token", "p50"),
+                                                                series(against, "time_to_first_token", "p50")),
+                        "inter_token_latency_p50": median_ratio(series(side, "inter_token_latency", "p50"),
+                                                                series(against, "inter_token_latency", "p50"))}
+            mine = ratios_of("modeld", "llama-server")
             out[key] = {
                 "medians": {f"{side} {m}": statistics.median(series(side, m, s))
-                            for side in SIDES for m, s in (("output_token_throughput", "avg"),
-                                                           ("time_to_first_token", "p50"),
-                                                           ("inter_token_latency", "p50"))},
-                "goals": {"output throughput vs llama-server": goal(throughput, 1.0),
-                          "ttft p50 vs llama-server": goal(ttft, 1.0, higher_is_better=False),
-                          "itl p50 vs llama-server": goal(itl, 1.0, higher_is_better=False)},
+                            for side in sides + ["llama-server"]
+                            for m, s in (("output_token_throughput", "avg"), ("time_to_first_token", "p50"),
+                                         ("inter_token_latency", "p50"))},
+                "goals": {"output throughput vs llama-server": goal(mine["output_token_throughput"], 1.0),
+                          "ttft p50 vs llama-server": goal(mine["time_to_first_token_p50"], 1.0,
+                                                           higher_is_better=False),
+                          "itl p50 vs llama-server": goal(mine["inter_token_latency_p50"], 1.0,
+                                                          higher_is_better=False)},
             }
+            for side in sides[1:]:
+                out[key][f"{side} vs llama-server"] = ratios_of(side, "llama-server")
+                out[key][f"{side} vs modeld"] = ratios_of(side, "modeld")
     return out
 
 
@@ -165,6 +197,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="8,32")
     parser.add_argument("--placements", default="unpinned,pinned")
     parser.add_argument("--waves", type=int, default=2, help="requests per run: concurrency x waves")
+    parser.add_argument("--omp-wait-policy", default="",
+                        help="comma-separated OMP_WAIT_POLICY values, one modeld daemon each (default: modeld's own)")
     parser.add_argument("--output", default=str(RESULTS / "aiperf.json"))
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # modeld's side; aiperf's own env drops it
@@ -177,13 +211,18 @@ def main() -> None:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     placements = args.placements.split(",")
     before = machine()
-    runs = race(args.rounds, concurrencies, placements, args.waves)
-    summary = summarise(runs, concurrencies, placements)
+    policies = args.omp_wait_policy.split(",") if args.omp_wait_policy else [""]
+    if any(p not in ("", "PASSIVE", "ACTIVE") for p in policies):
+        sys.exit(f"--omp-wait-policy takes PASSIVE and ACTIVE, got {args.omp_wait_policy!r}")
+    runs = race(args.rounds, concurrencies, placements, args.waves, policies)
+    summary = summarise(runs, concurrencies, placements, policies)
     record = {"command": "python bench/bench_aiperf.py " + " ".join(sys.argv[1:]), "harness": "aiperf",
               "aiperf_version": subprocess.run([str(ROOT / ".venv-aiperf/bin/python"), "-c",
                                                 "import importlib.metadata as m; print(m.version('aiperf'))"],
                                                capture_output=True, text=True).stdout.strip(),
               "machine": before, "load_average_after": list(os.getloadavg()),
+              "omp_wait_policy": {side: policy or "modeld's default (PASSIVE unless set)"
+                                  for side, policy in zip(sides_of(policies), policies)},
               "input_tokens": INPUT_TOKENS, "output_tokens": OUTPUT_TOKENS, "rounds": runs, "summary": summary}
     path = Path(args.output)
     path.parent.mkdir(parents=True, exist_ok=True)

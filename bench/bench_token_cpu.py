@@ -24,7 +24,12 @@ Two parts (both by default; `--only unit` or `--only daemon`):
           compute, the rest Python. That profile (every Python thread of
           both processes, by function) is where the Python time goes.
 
+  --temperature none sends the daemon's streams without a temperature, as
+  aiperf does (OpenAI's default 1: sampled over the whole vocabulary, on
+  llama.cpp's sampler chain); --temperature 0, the default, is greedy.
+
     .venv/bin/python bench/bench_token_cpu.py [--only unit|daemon] [--streams 1,8,32] [--tokens 64]
+                                              [--temperature 0|none|T]
 
 Writes bench/results/token_cpu.json.
 """
@@ -189,9 +194,15 @@ class Daemon:
         self.daemon.stop()
 
 
+# the streams' temperature (--temperature); None: the field is left out
+TEMPERATURE: float | None = 0.0
+
+
 async def chat_stream(session, url: str, prompt: str, tokens: int) -> int:
     body = {"model": "smollm2", "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
-            "temperature": 0.0, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if TEMPERATURE is not None:
+        body["temperature"] = TEMPERATURE
     used = 0
     async with session.post(f"{url}/v1/chat/completions", json=body) as response:
         response.raise_for_status()
@@ -305,6 +316,14 @@ def _in_decode(frame: str) -> bool:
     return name in ("llama_decode", "_decode", "LlamaContext._decode") or name.endswith(".llama_decode")
 
 
+def _in_native_sampling(frame: str) -> bool:
+    """A frame drawing a token on llama.cpp's sampler chain (NativeSampler.sample's
+    llama_sampler_sample call): sampling work in C, apart from the forward pass."""
+    name, _, where = frame.partition(" (")
+    return name in ("sample", "NativeSampler.sample", "llama_sampler_sample") and (
+        "native_sampling" in where or name == "llama_sampler_sample")
+
+
 def _is_modeld(frame: str) -> bool:
     """A frame of modeld's own code (py-spy names files relative to sys.path)."""
     where = frame.partition(" (")[2]
@@ -319,7 +338,7 @@ def summarise_profile(node: Daemon, stacks: dict[int, list[tuple[list[str], int]
         leaf: dict[str, int] = collections.defaultdict(int)
         own: dict[str, int] = collections.defaultdict(int)
         step_leaf: dict[str, int] = collections.defaultdict(int)
-        decode = step = 0
+        decode = step = native = 0
         for frames, count in rows:
             thread = frames[0]
             by_thread[thread] += count
@@ -330,6 +349,8 @@ def summarise_profile(node: Daemon, stacks: dict[int, list[tuple[list[str], int]
                 step += count
                 if any(_in_decode(f) for f in body[-2:]):
                     decode += count
+                elif any(_in_native_sampling(f) for f in body[-2:]):
+                    native += count
             leaf[_short(body[-1])] += count
             if "modeld-compute" in thread:
                 step_leaf[_short(body[-1])] += count
@@ -346,6 +367,8 @@ def summarise_profile(node: Daemon, stacks: dict[int, list[tuple[list[str], int]
         }
         if proc == "worker":
             out["step_thread_decode_share"] = decode / step if step else None
+            # counted in the Python figure below: it is per-token work outside the model
+            out["step_thread_native_sampling_share"] = native / step if step else None
             out["step_thread_top_leaves"] = dict(sorted(step_leaf.items(), key=lambda kv: -kv[1])[:12])
     return out
 
@@ -395,8 +418,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--temperature", default="0", help="the daemon streams' temperature; none: not sent")
     parser.add_argument("--output", default=str(RESULTS / "token_cpu.json"))
     args = parser.parse_args()
+    global TEMPERATURE
+    TEMPERATURE = None if args.temperature == "none" else float(args.temperature)
     record: dict = {"command": "python bench/bench_token_cpu.py " + " ".join(sys.argv[1:]), "machine": machine()}
     path = Path(args.output)
     if path.exists():  # a part run alone keeps the other's figures
@@ -409,6 +435,7 @@ def main() -> None:
     if args.only in (None, "daemon"):
         counts = [int(n) for n in args.streams.split(",")]
         record["daemon"] = daemon_bench(counts, args.tokens, args.rounds, not args.no_profile)
+        record["daemon"]["temperature"] = "not sent (OpenAI's default, 1)" if TEMPERATURE is None else TEMPERATURE
         for n, row in record["daemon"]["summary"].items():
             print(f"{n} streams: {row['tok_s']:.1f} tok/s; Python ms/token "
                   f"{row.get('python_ms_per_token', row['python_ms_per_token_without_step_thread']):.3f}; "
