@@ -258,6 +258,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--zipf", type=float, default=1.0)
+    parser.add_argument("--stats-timeout-s", type=float, default=3.0, help="the gateway's stats_timeout_s")
     args = parser.parse_args()
     started = datetime.now(timezone.utc)
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
@@ -287,7 +288,11 @@ def main() -> int:
 
             with ThreadPoolExecutor(args.nodes) as pool:  # a daemon's start is mostly imports: side by side
                 nodes.extend(pool.map(start_node, range(args.nodes)))
-            gateway = start_gateway(*(node.address for node in nodes))
+            # a Stats poll slower than stats_timeout_s marks a node frozen; on a shared 2-core machine at a
+            # load average of 15 a poll takes longer than the 0.5 s default while the node is fine
+            gateway_config = root / "gateway.toml"
+            gateway_config.write_text(f"[gateway]\nstats_timeout_s = {args.stats_timeout_s}\n")
+            gateway = start_gateway(*(node.address for node in nodes), args=("--config", str(gateway_config)))
             # calls start once the gateway has seen every node's health say
             # SERVING: before that it rightly refuses them (UNAVAILABLE), which
             # would count the gateway's start-up against the store

@@ -398,3 +398,16 @@ def test_s3_objects_under_a_prefix_are_the_model_folder_and_faults_are_named(tmp
             store.pull_sync("s3://no-bucket/m/")
     finally:
         s3.stop()
+
+
+def test_the_files_of_one_model_are_fetched_in_parallel(tmp_path):
+    started = threading.Barrier(4, timeout=30)
+
+    class AllStarted:  # each file's body waits until all four downloads are under way
+        def wait(self, timeout: float) -> None:
+            started.wait()
+    files = {f"part-{i}.onnx": bytes([i]) * 1000 for i in range(4)}
+    pulled, fetchers = listing("parallel", files, gate=AllStarted())
+    folder, _ = BlobCache(tmp_path, 10**6, parallel=4).pull(pulled)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == files
+    assert all(f.offsets == [0] for f in fetchers.values())
