@@ -12,8 +12,11 @@ conversation c to node c % 3 every turn: the routing by system prompt and
 conversation a KV router aims for, by coincidence, and all three modes
 measured alike.)
 
-Each node's cache holds 8 slots of 1,024 tokens: 8 conversations, a third
-of them. A node that is sent every conversation (round robin) keeps each
+Each node's cache holds 12 slots of 1,024 tokens: 12 conversations, half
+of them, so no node can hold everything; the fleet's 36 slots hold them all
+only if each node serves its share (8 conversations, with room for the 3
+running beside them, whose prompts llama.cpp copies into slots of their
+own). A node that is sent every conversation (round robin) keeps each
 system prompt but only the most recent conversations' histories; only
 routing that keeps a conversation on one node serves its history from
 cache. Answers are up to 32 tokens, so a history outgrows a turn's question
@@ -75,6 +78,7 @@ from modeld.gen import node_pb2, node_pb2_grpc  # noqa: E402
 MODEL = "smollm2"
 MODES = ("kv", "guess", "round_robin")
 NUM_CONVERSATIONS, NUM_TURNS, CONCURRENCY, MAX_TOKENS = 24, 4, 3, 32
+SLOTS = int(os.environ.get("KV_BENCH_SLOTS", "12"))  # per node (module docstring)
 _SYSTEMS = [
     "You are the support assistant of a bicycle shop. You answer in two sentences, you never invent prices, "
     "and you always suggest visiting the workshop for anything involving brakes or gears. ",
@@ -89,10 +93,10 @@ _QUESTIONS = ["What should I do first?", "Can you say more about that?", "Thanks
 def _repository(root: Path) -> Path:
     (root / MODEL).mkdir()
     (root / MODEL / "model.gguf").symlink_to((MODELS / MODEL / "model.gguf").resolve())
-    # 8 slots of 1,024 tokens: a conversation's 4 turns fit one slot; 24 slots for 24 conversations do not
+    # 12 slots of 1,024 tokens (module docstring): a conversation's 4 turns fit one slot
     (root / MODEL / "model.toml").write_text(
         'isolation = "in-process"\nformat = "gguf"\nbackends = ["llamacpp"]\nartifact = "model.gguf"\n'
-        "[llamacpp]\nn_ctx = 8192\nn_slots = 8\ncontext_length = 1024\nn_threads = 2\n")
+        f"[llamacpp]\nn_ctx = {1024 * SLOTS}\nn_slots = {SLOTS}\ncontext_length = 1024\nn_threads = 2\n")
     return root
 
 
@@ -241,6 +245,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "results": {**summary, "rounds": args.rounds, "conversations": NUM_CONVERSATIONS,
                     "turns": NUM_TURNS, "concurrency": CONCURRENCY, "max_tokens": MAX_TOKENS,
+                    "slots_per_node": SLOTS,
                     "goal": "kv: cached prompt tokens >= 0.9 of the ideal",
                     "seconds": round(time.monotonic() - started, 1),
                     "command": f"flock /tmp/coord/bench.lock .venv/bin/python bench/bench_kv_routing.py "

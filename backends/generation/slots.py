@@ -138,9 +138,16 @@ class SlotPool:
         prefix it can get there."""
         reusable = self._reusable(prompt) if use_cache else {}
         fewest = min(self._splits(s) for s in (*self.free, *self.cached))
-        # a cached prefix in a slot that does not split the block is taken over in place
+        # a cached prefix in a slot that does not split the block is taken over
+        # in place, unless that would cut off a block or more of the slot's
+        # other tokens while a slot is free: those are another conversation's
+        # history (only its system prompt is shared), which its next turn
+        # comes back for; the prefix is copied into the free slot instead.
+        # (Taken over in place, 24 conversations over 3 system prompts kept
+        # 3 histories a node whatever its slots: 0.8 of the ideal cache hits.)
         in_place = max(((n, -rank, slot) for rank, slot in enumerate(self.cached)
-                        if (n := reusable.get(slot, 0)) and self._splits(slot) == fewest), default=None)
+                        if (n := reusable.get(slot, 0)) and self._splits(slot) == fewest
+                        and (not self.free or len(self.cached[slot]) - n < KV_BLOCK_TOKENS)), default=None)
         src, longest = max(reusable.items(), key=lambda item: item[1], default=(-1, 0))
         kept = in_place[0] if in_place else 0
         if in_place and longest - kept < self.min_copy:
