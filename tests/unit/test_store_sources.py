@@ -132,3 +132,26 @@ def test_s3_virtual_hosted_addressing_names_the_bucket_in_the_host(tmp_path, mon
         assert hosts and set(hosts) == {"models.localhost"}  # every request named the bucket in its host
     finally:
         s3.stop()
+
+
+def test_modeld_pull_draws_a_progress_bar_on_a_terminal(monkeypatch):
+    import io
+    import threading
+
+    from modeld.server.store import cli
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+    screen = Terminal()
+    monkeypatch.setattr("sys.stderr", screen)
+    done = threading.Event()
+    seen = []
+
+    def figures() -> tuple[int, int]:
+        seen.append(1)
+        if len(seen) >= 3:
+            done.set()
+        return 512 * 1024, 1024 * 1024  # half of 1 MiB
+    cli._show(figures, done)
+    assert "[###############...............]" in screen.getvalue() and "512.0KiB / 1.0MiB" in screen.getvalue()
