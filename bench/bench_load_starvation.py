@@ -236,6 +236,24 @@ def hooks_in_place() -> dict[str, bool]:
             for path in ("server/engine/loading.py", "server/workers/main.py")}
 
 
+def write_record(started: datetime, args, loads: list[str], rounds: list[dict]) -> dict:
+    summary = {mode: {"median_ratio": statistics.median(r["ratio"] for r in rounds if r["mode"] == mode),
+                      "ratios": [round(r["ratio"], 3) for r in rounds if r["mode"] == mode],
+                      "median_quiet_rps": statistics.median(r["quiet_rps"] for r in rounds if r["mode"] == mode)}
+               for mode in ("plain", "lowered") if any(r["mode"] == mode for r in rounds)}
+    record = {
+        "started": started.isoformat(timespec="seconds"), "machine": platform.platform(), "cpus": os.cpu_count(),
+        "command": "flock /tmp/coord/bench.lock .venv/bin/python bench/bench_load_starvation.py " + " ".join(sys.argv[1:]),
+        "clients": CLIENTS, "loads": loads, "pull_mib": args.pull_mib, "quiet_s": args.quiet_s, "rounds": rounds,
+        "rounds_asked": args.rounds, "summary": summary, "hooks_in_place": hooks_in_place(),
+        "goal": "lowered median_ratio >= 0.8",
+        "goal_met": "lowered" in summary and summary["lowered"]["median_ratio"] >= 0.8,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "load_starvation.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -269,6 +287,7 @@ def main() -> int:
                     row = {"round": r, "mode": mode, "quiet_rps": calls / seconds, "quiet_errors": errors,
                            "busy": busy, "ratio": busy["rps"] / (calls / seconds), "load_average": os.getloadavg()}
                     rounds.append(row)
+                    write_record(started, args, loads, rounds)  # after every window: a stopped run keeps its rounds
                     print(f"round {r} {mode:8s} quiet {row['quiet_rps']:6.1f} req/s  busy {busy['rps']:6.1f} req/s "
                           f"over {busy['seconds']:5.1f} s  ratio {row['ratio']:.2f}  loads {busy['load_seconds']} "
                           f"{busy['load_failure']}", flush=True)
@@ -276,20 +295,8 @@ def main() -> int:
             for daemon in daemons.values():
                 daemon.stop()
             registry.stop()
-    summary = {mode: {"median_ratio": statistics.median(r["ratio"] for r in rounds if r["mode"] == mode),
-                      "ratios": [round(r["ratio"], 3) for r in rounds if r["mode"] == mode],
-                      "median_quiet_rps": statistics.median(r["quiet_rps"] for r in rounds if r["mode"] == mode)}
-               for mode in ("plain", "lowered")}
-    record = {
-        "started": started.isoformat(timespec="seconds"), "machine": platform.platform(), "cpus": os.cpu_count(),
-        "command": "flock /tmp/coord/bench.lock .venv/bin/python bench/bench_load_starvation.py " + " ".join(sys.argv[1:]),
-        "clients": CLIENTS, "loads": loads, "pull_mib": args.pull_mib, "quiet_s": args.quiet_s, "rounds": rounds,
-        "summary": summary,
-        "hooks_in_place": hooks_in_place(), "goal": "lowered median_ratio >= 0.8",
-        "goal_met": summary["lowered"]["median_ratio"] >= 0.8,
-    }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "load_starvation.json").write_text(json.dumps(record, indent=2) + "\n")
+    record = write_record(started, args, loads, rounds)
+    summary = record["summary"]
     print(f"plain busy/quiet {summary['plain']['median_ratio']:.2f}  lowered {summary['lowered']['median_ratio']:.2f}"
           f"  (goal lowered >= 0.8: {'met' if record['goal_met'] else 'NOT met'}); hooks {record['hooks_in_place']}")
     return 0
