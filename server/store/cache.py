@@ -177,14 +177,18 @@ class _Digests:
 
 class _Writer:
     """Hashes and writes a download on a thread of its own, so the network
-    reads go on meanwhile (hashlib and file writes release the GIL)."""
+    reads go on meanwhile (hashlib and file writes release the GIL). Chunks
+    are handed over as they came, about 1 MiB of them at a time, never
+    copied into one buffer: on a busy machine the copies cost as much CPU as
+    a tenth of the pull."""
 
     _BATCH = 1024 * 1024
 
     def __init__(self, out, digests: _Digests) -> None:
         self.out, self.digests = out, digests
         self._queue: queue.Queue = queue.Queue(maxsize=8)
-        self._pending = bytearray()
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="modeld-pull-write", daemon=True)
         self._thread.start()
@@ -192,15 +196,18 @@ class _Writer:
     def put(self, chunk: bytes) -> None:
         if self._error is not None:
             raise self._error
-        self._pending += chunk
-        if len(self._pending) >= self._BATCH:
-            self._queue.put(bytes(self._pending))
-            self._pending.clear()
+        self._pending.append(chunk)
+        self._pending_bytes += len(chunk)
+        if self._pending_bytes >= self._BATCH:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        self._queue.put(self._pending)
+        self._pending, self._pending_bytes = [], 0
 
     def close(self) -> None:
         if self._pending:
-            self._queue.put(bytes(self._pending))
-            self._pending.clear()
+            self._hand_over()
         self._queue.put(None)
         self._thread.join()
         if self._error is not None:
@@ -208,12 +215,13 @@ class _Writer:
 
     def _run(self) -> None:
         lower_priority()
-        while (block := self._queue.get()) is not None:
+        while (chunks := self._queue.get()) is not None:
             if self._error is not None:
                 continue  # drain: the caller sees the error at its next put or at close
             try:
-                self.out.write(block)
-                self.digests.update(block)
+                for chunk in chunks:
+                    self.out.write(chunk)
+                    self.digests.update(chunk)
             except BaseException as exc:  # noqa: BLE001 - a full disk, raised in the caller's thread
                 self._error = exc
 
