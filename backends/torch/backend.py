@@ -8,8 +8,8 @@ the same code.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-import itertools
 import time
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from modeld.backends.errors import LoadFailed, Unavailable
 from modeld.backends.generation.executor import StepExecutor
 from modeld.backends.generation.interface import PagedWork, StepPlan
 from modeld.backends.generation.loop import GenerationLoop
-from modeld.backends.generation.paged_scheduler import REQUEST_ADAPTER, PagedConfig, PagedScheduler
+from modeld.backends.generation.paged_scheduler import REQUEST_ADAPTER, PagedConfig, PagedScheduler, adapter_salt
 from modeld.backends.generation.scheduler import admission_from
 from modeld.backends.generation.chat_template import ChatTemplate, model_chat_template, render_chat
 from modeld.backends.generation.params import ChatMessage, ToolSpec
@@ -292,14 +292,20 @@ class TorchGenerativeModel(GenerativeModel):
         """Read a PEFT adapter of this base and make it resident: its matrices
         only, the base's weights stay shared. Raises InvalidArgument naming
         the adapter, the field and the reason."""
-        from modeld.backends.torch.lora import AdapterSet, load_adapter
+        from modeld.backends.torch.lora import AdapterSet, adapter_identity, load_adapter
 
         weights = load_adapter(config.name, model_dir, config.artifact_path, self.model.args,
-                               self.lora.max_lora_rank, next(_ADAPTER_IDS), self.dtype, self.device)
+                               self.lora.max_lora_rank, 0, self.dtype, self.device)
+        # after the checks above, which bound what the digest reads
+        weights = dataclasses.replace(weights, adapter_id=adapter_identity(config.name, model_dir,
+                                                                           config.artifact_path))
 
         def register() -> None:  # on the compute thread, between steps
             if self.runner.adapters is None:
                 self.runner.adapters = AdapterSet(self.model.args, self.dtype, self.device)
+            if weights.adapter_id in self.runner.adapters.adapters:
+                # the engine unloads an adapter before loading it again: only a 64-bit digest collision gets here
+                raise LoadFailed(f"adapter {config.name!r}: another resident adapter has the same identity digest")
             self.runner.adapters.add(weights)
         COMPUTE_THREAD.submit(register).result()
         return TorchAdapterModel(self, weights)
@@ -322,11 +328,6 @@ class TorchGenerativeModel(GenerativeModel):
         self.runner.model = None
 
 
-# adapter ids are never reused: a sequence, a cached stack or (once block
-# hashes carry it) a cached prompt of an unloaded adapter is never another's
-_ADAPTER_IDS = itertools.count(1)
-
-
 class TorchAdapterModel(GenerativeModel):
     """A LoRA adapter served as a model of its own: requests naming it run on
     its base's generation loop, in the same steps as the base's and other
@@ -335,6 +336,8 @@ class TorchAdapterModel(GenerativeModel):
     def __init__(self, base: TorchGenerativeModel, weights) -> None:
         self.base = base
         self.adapter_id = weights.adapter_id
+        # the namespace its prompts' blocks hash under (PromptBlocks reads it)
+        self.kv_salt = adapter_salt(weights.adapter_id)
         self.rank = weights.rank
         self.nbytes = weights.nbytes
         self.inputs, self.outputs = TEXT_SIGNATURE

@@ -28,9 +28,9 @@ lasts (decode steps keep the same set for many steps).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -45,13 +45,6 @@ TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 _ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
 MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
 CONFIG_FILE = "adapter_config.json"
-
-# The adapter the request being added to a base's scheduler runs under (0:
-# the base). An adapter model sets it around the base loop's generate(); the
-# loop calls scheduler.add() synchronously inside that call, in the
-# requester's own task, so the value is the request's and no other's.
-REQUEST_ADAPTER: ContextVar[int] = ContextVar("modeld_request_adapter", default=0)
-
 
 @dataclass(frozen=True)
 class LoraWeights:
@@ -194,6 +187,22 @@ def _refuse_unsupported(raw: dict, fail) -> None:
     for field in ("modules_to_save", "layers_to_transform", "rank_pattern", "alpha_pattern"):
         if raw.get(field):
             raise fail(field, "is not supported by the torch runtime; leave it empty")
+
+
+def adapter_identity(name: str, model_dir: Path, artifact: str) -> int:
+    """The adapter's id on its base (never 0, the base's): a digest of its
+    name and of the files that decide its KV (the config's scaling, the
+    weights). Being the same wherever the same adapter loads, in this process,
+    a restarted worker or another daemon, the prefix-cache salt it gives
+    (paged_scheduler.adapter_salt) hashes a prompt the same on every node,
+    so a gateway's PromptBlocks from one node finds the adapter's blocks on
+    another; an adapter reloaded with other weights gets another id, so no
+    cached block of the old weights is ever served to it."""
+    digest = hashlib.blake2b(name.encode("utf-8") + b"\0", digest_size=8)
+    for path in (model_dir / CONFIG_FILE, model_dir / artifact):
+        digest.update(path.read_bytes() if path.is_file() else b"")
+        digest.update(b"\0")
+    return int.from_bytes(digest.digest(), "little") & ((1 << 63) - 1) or 1
 
 
 def load_adapter(name: str, model_dir: Path, artifact: str, args: ModelArgs, max_rank: int, adapter_id: int,

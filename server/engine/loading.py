@@ -6,8 +6,10 @@ Loads run one at a time so a backend's measured memory growth is its own;
 concurrent loads of one model share one load.
 
 A LoRA adapter (`format = "lora"`) loads its base first, then becomes
-resident on the base's runtime: its own entry in the budget (its measured
-bytes), tied to the base's, so the base outlives its adapters.
+resident on the base's runtime, in the daemon or in the base's worker
+process: its own entry in the budget (its measured bytes), tied to the
+base's, so the base outlives its adapters; the base's unload, eviction or
+worker death drops them first.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from modeld.backends.errors import (
 from modeld.backends.generation.params import FinalEvent, GenerateRequest, SamplingParams
 from modeld.backends.load_policy import LoadPolicy
 from modeld.backends.model_config import ModelConfig, WhilePulling
-from modeld.backends.registry import BackendRegistry
+from modeld.backends.registry import REMOTE_BACKENDS, BackendRegistry
 from modeld.server.batcher import BatchReport, DynamicBatcher
 from modeld.server.load_priority import run_lowered
 from modeld.server.memory import ModelKey
@@ -157,7 +159,10 @@ class ModelLifecycle:
         await self.accounting.reserve(key, estimate, config.pinned, frozenset({base.key}), base=base.key)
         try:
             async with self._load_lock:
-                loaded = await anyio.to_thread.run_sync(base.loaded.load_adapter, config, source.model_dir)
+                if base.worker is not None:  # on the base's runtime in its worker process
+                    loaded = await base.loaded.load_adapter_async(config, source.model_dir)
+                else:
+                    loaded = await anyio.to_thread.run_sync(base.loaded.load_adapter, config, source.model_dir)
         except BaseException:
             self.accounting.cancel(key)
             raise
@@ -184,13 +189,13 @@ class ModelLifecycle:
                                   "name the model it adapts")
         base = await self.load(base_name)
         if Capability.LORA not in base.backend.capabilities:
+            takes = sorted(b.name for b in self.registry.available() if Capability.LORA in b.capabilities)
+            where = [f"{n} (a remote engine)" if n in REMOTE_BACKENDS else f"{n} (in the daemon or a worker process)"
+                     for n in takes]
             raise FailedPrecondition(
                 f"adapter {name!r}: its base {base_name!r} is served by the {base.backend.name} backend, which "
-                "cannot apply LoRA adapters yet; serve the base on torch (backends = [\"torch\"])")
-        if base.worker is not None:
-            raise FailedPrecondition(
-                f"adapter {name!r}: its base {base_name!r} runs in a worker process, which adapters cannot reach; "
-                "set isolation = \"in-process\" in the base's model.toml")
+                "cannot apply LoRA adapters; serve the base on a backend that does: "
+                + (", ".join(where) or "none is available on this node"))
         return base
 
     def adapters_of(self, base_name: str) -> list[ServedModel]:
@@ -304,7 +309,7 @@ class ModelLifecycle:
 
     async def _start(self, served: ServedModel) -> ServedModel:
         """Start serving: worker followed, batcher or loop started, warmed up."""
-        if served.worker is not None:
+        if served.worker is not None and not served.config.is_adapter:  # an adapter dies with its base's worker
             self._follow_worker(served)
         # set before warm-up: a failed warm-up drops the model, which removes this series
         self.accounting.loaded(served)
@@ -457,6 +462,12 @@ class ModelLifecycle:
         if not self.models.is_current(served) or name in self.models.unloading:
             return  # already being replaced or unloaded: that path drops it
         self.models.failures[name] = str(worker.death)
+        # its adapters went with the process: they are dropped with it (never
+        # left served on a worker that no longer holds them), and the next
+        # request naming one loads the base and the adapter again
+        for adapter in self.adapters_of(name):
+            self.models.failures[adapter.config.name] = (
+                f"its base {name!r} was unloaded when its worker died ({how}); the next request loads both again")
         await self.drop(served)
         self.models.notify(name, ModelState.UNAVAILABLE)
 

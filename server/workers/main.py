@@ -25,8 +25,9 @@ from pathlib import Path
 import structlog
 
 from modeld.backends.base import GenerativeModel
-from modeld.backends.errors import BackendFailure, LoadFailed, ModeldError
+from modeld.backends.errors import BackendFailure, FailedPrecondition, LoadFailed, ModeldError, Unavailable
 from modeld.server.workers.frames import ThreadChannel
+from modeld.server.workers.kv_cache import KvDeltaSource, model_cache, prompt_hashes
 
 log = structlog.get_logger("modeld.worker")
 
@@ -59,6 +60,8 @@ class Worker:
         self.model = model
         self.out = ThreadChannel(sock, asyncio.get_running_loop(), self.inline, self.dispatch, self.channel_lost)
         self.loaded = None
+        self.adapters: dict[str, object] = {}  # LoRA adapters resident on the loaded base, by name
+        self.kv_source = KvDeltaSource()  # what the daemon was last told of the prefix cache
         self._model_lock = threading.Lock()  # a batch never runs while the model unloads
         self.streams: dict[int, asyncio.Task] = {}
         self.done = asyncio.Event()
@@ -91,7 +94,8 @@ class Worker:
     def dispatch(self, message: tuple) -> None:
         op, rid = message[0], message[1]
         if op == "generate":
-            self.streams[rid] = asyncio.get_running_loop().create_task(self.generate(rid, message[2]))
+            adapter = message[3] if len(message) > 3 else ""
+            self.streams[rid] = asyncio.get_running_loop().create_task(self.generate(rid, message[2], adapter))
         elif op == "cancel":
             task = self.streams.pop(rid, None)
             if task is not None:
@@ -113,9 +117,9 @@ class Worker:
             return
         self.out.send(reply)
 
-    async def generate(self, rid: int, request) -> None:
+    async def generate(self, rid: int, request, adapter: str = "") -> None:
         try:
-            async with contextlib.aclosing(self.loaded.generate(request)) as events:
+            async with contextlib.aclosing(self._model_for(adapter).generate(request)) as events:
                 async for event in events:
                     self.out.send(("event", rid, event))
         except asyncio.CancelledError:
@@ -124,6 +128,15 @@ class Worker:
             self.out.send(error_reply(rid, exc))
         finally:
             self.streams.pop(rid, None)
+
+    def _model_for(self, adapter: str):
+        """The base, or the resident adapter a request names."""
+        if not adapter:
+            return self.loaded
+        model = self.adapters.get(adapter)
+        if model is None:  # unloaded here meanwhile: the daemon loads it again on the next request
+            raise Unavailable(f"adapter {adapter!r} is not loaded in the worker of its base {self.model!r}; retry")
+        return model
 
     # -- operations --------------------------------------------------------------
 
@@ -145,6 +158,40 @@ class Worker:
         log.info("worker_model_loaded", model=self.model, backend=backend_name, nbytes=self.loaded.nbytes)
         return {"nbytes": self.loaded.nbytes, "inputs": self.loaded.inputs, "outputs": self.loaded.outputs,
                 "generative": generative}
+
+    async def op_load_adapter(self, config, model_dir: str) -> dict:
+        """Make a LoRA adapter resident on the loaded base (its matrices only),
+        as an in-process base does; its requests then name it on `generate`."""
+        load = getattr(self.loaded, "load_adapter", None)
+        if load is None:
+            raise FailedPrecondition(f"adapter {config.name!r}: the backend of {self.model!r} applies no adapters")
+        adapter = await asyncio.to_thread(load, config, Path(model_dir))
+        await adapter.start()
+        self.adapters[config.name] = adapter
+        log.info("worker_adapter_loaded", model=self.model, adapter=config.name, nbytes=adapter.nbytes)
+        return {"nbytes": adapter.nbytes, "adapter_id": getattr(adapter, "adapter_id", 0),
+                "kv_salt": getattr(adapter, "kv_salt", b"")}
+
+    async def op_unload_adapter(self, name: str) -> None:
+        """Let the adapter's sequences finish, then drop its matrices."""
+        adapter = self.adapters.pop(name, None)
+        if adapter is None:
+            return
+        await adapter.stop()
+        await asyncio.to_thread(adapter.unload)
+        log.info("worker_adapter_unloaded", model=self.model, adapter=name)
+
+    async def op_kv_delta(self, since: int):
+        """The prefix cache's change since the answer numbered `since`
+        (kv_cache.KvDeltaSource); False for a model without a readable cache."""
+        cache, _ = model_cache(self.loaded)
+        if cache is None:
+            return False
+        return self.kv_source.delta(cache, since)
+
+    async def op_prompt_blocks(self, request, salt: bytes):
+        """A prompt's block hashes under this model's cache (kv_cache.prompt_hashes)."""
+        return prompt_hashes(self.loaded, request, salt)
 
     async def op_start(self) -> None:
         await self.loaded.start()

@@ -6,12 +6,15 @@ unload, `nbytes`, `inputs`, `outputs`) by sending requests to the worker and
 awaiting its answers, multiplexed by request id over one socket. When the
 worker dies every call in flight fails with UNAVAILABLE naming the model,
 the pid and the signal, and the engine is told (`on_death`) so it can drop
-the model; the next request loads it again.
+the model; the next request loads it again. `WorkerAdapterModel` is a LoRA
+adapter resident on a base in its worker: its requests name it on the
+base's channel.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import signal
 import socket
@@ -29,6 +32,7 @@ from modeld.backends.errors import (
 from modeld.backends.generation.params import FinalEvent, GenerateRequest, TokenEvent
 from modeld.server.os_memory import process_rss
 from modeld.server.workers.frames import FrameProtocol, connect
+from modeld.server.workers.kv_cache import KvCacheState, KvMirror, PromptHashes
 
 log = structlog.get_logger("modeld.workers")
 
@@ -123,7 +127,8 @@ class WorkerProcess:
         finally:
             self._calls.pop(rid, None)
 
-    async def stream(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinalEvent]:
+    async def stream(self, request: GenerateRequest, adapter: str = "") -> AsyncIterator[TokenEvent | FinalEvent]:
+        """A generation in the worker, on its base or (`adapter`) a LoRA adapter resident there."""
         if self.death is not None or self._out.closed:
             await self._raise_death()
         rid = next(self._ids)
@@ -131,7 +136,7 @@ class WorkerProcess:
         self._streams[rid] = queue
         finished = False
         try:
-            self._out.send(("generate", rid, request))
+            self._out.send(("generate", rid, request, adapter) if adapter else ("generate", rid, request))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -256,8 +261,12 @@ class _WorkerModelMixin:
     def measure(self) -> int:
         """The worker's resident memory, and never less than the backend's own
         figure: mapped weights become resident on first use, and the budget
-        must hold for when they are."""
-        return max(process_rss(self.worker.pid), self.backend_nbytes)
+        must hold for when they are. Less what its LoRA adapters hold: each
+        has a budget entry of its own, of its measured bytes."""
+        return max(process_rss(self.worker.pid) - self.adapter_bytes(), self.backend_nbytes)
+
+    def adapter_bytes(self) -> int:
+        return 0
 
     def watch_memory(self, on_change: Callable[[int], None], interval_s: float) -> None:
         """Re-measure every `interval_s` while the worker lives; report changes
@@ -295,10 +304,13 @@ class WorkerTensorModel(_WorkerModelMixin, LoadedModel):
 
 class WorkerGenerativeModel(_WorkerModelMixin, GenerativeModel):
     def __init__(self, worker: WorkerProcess, info: dict) -> None:
+        self.adapters: dict[str, WorkerAdapterModel] = {}  # LoRA adapters resident in the worker, by name
         self._init_worker(worker, info)
         self.loop = self.runner = None  # both live in the worker: the methods below ask it
         self.observer = None  # where the worker loop's figures go (the engine's metrics)
         worker.on_observe = self._observe
+        # the worker's prefix cache, as its last kv_delta answer left it (kv_cache.py)
+        self.kv_mirror = KvMirror(lambda since: self.worker.call("kv_delta", since))
 
     def _observe(self, method: str, args: tuple) -> None:
         if self.observer is not None:
@@ -329,6 +341,113 @@ class WorkerGenerativeModel(_WorkerModelMixin, GenerativeModel):
     def prompt_ids(self, request: GenerateRequest):
         """The prompt's token ids as the worker's loop makes them (chat template included)."""
         return self.worker.call("prompt_ids", request)
+
+    # -- the prefix cache, for gateways (server/services/kv_events.py) ---------------
+
+    def kv_cache_state(self) -> KvCacheState | None:
+        """The worker's prefix cache as last heard; None before the first
+        answer or for a model without one."""
+        return self.kv_mirror.read() if self.worker.is_alive else None
+
+    async def prompt_blocks(self, request: GenerateRequest, salt: bytes = b"") -> PromptHashes | None:
+        return await self.worker.call("prompt_blocks", request, salt)
+
+    async def unload_async(self) -> None:
+        self.kv_mirror.close()
+        await super().unload_async()
+
+    # -- LoRA adapters ---------------------------------------------------------------
+
+    def adapter_bytes(self) -> int:
+        return sum(a.nbytes for a in self.adapters.values())
+
+    async def load_adapter_async(self, config, model_dir: Path) -> WorkerAdapterModel:
+        """Make a LoRA adapter resident on this base in its worker (the
+        backend's own load_adapter there); InvalidArgument and the rest as
+        in-process, naming the adapter."""
+        info = await self.worker.call("load_adapter", config, str(model_dir))
+        adapter = WorkerAdapterModel(self, config.name, info)
+        self.adapters[config.name] = adapter
+        return adapter
+
+
+class WorkerAdapterModel(GenerativeModel):
+    """A LoRA adapter resident on a base in a worker process: its requests
+    run there, on the base's generation loop, in the same steps as the
+    base's and the other adapters' sequences. Its bytes are its matrices as
+    the worker measured them at load (the base's figure leaves them out);
+    it dies with the base's worker, and the engine drops it with its base."""
+
+    def __init__(self, base: WorkerGenerativeModel, name: str, info: dict) -> None:
+        self.base, self.name = base, name
+        self.worker = base.worker  # in the base's process: the daemon's own memory holds none of it
+        self.nbytes = info["nbytes"]
+        self.adapter_id = info["adapter_id"]
+        self.kv_salt = info["kv_salt"]
+        self.inputs, self.outputs = base.inputs, base.outputs
+        self.loop = self.runner = None
+        self.num_in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._stopping = False
+
+    def set_observer(self, observer) -> None:
+        """The base's loop reports the steps, adapters' sequences included."""
+
+    def watch_memory(self, on_change: Callable[[int], None], interval_s: float) -> None:
+        """Nothing to follow: its matrices do not grow."""
+
+    async def start(self) -> None:
+        self._stopping = False
+
+    async def stop(self) -> None:
+        """Take no new requests and wait for this adapter's to finish."""
+        self._stopping = True
+        await self._idle.wait()
+
+    async def generate(self, request: GenerateRequest):
+        if self._stopping:
+            raise Unavailable("the adapter is being unloaded; retry")
+        self.num_in_flight += 1
+        self._idle.clear()
+        try:
+            async with contextlib.aclosing(self.worker.stream(request, adapter=self.name)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self.num_in_flight -= 1
+            if not self.num_in_flight:
+                self._idle.set()
+
+    def tokenize(self, text: str):
+        return self.base.tokenize(text)
+
+    def detokenize(self, token_ids: list[int]):
+        return self.base.detokenize(token_ids)
+
+    def prompt_ids(self, request: GenerateRequest):
+        return self.base.prompt_ids(request)
+
+    def kv_cache_state(self) -> KvCacheState | None:
+        """The base's cache (its blocks of this adapter hash under kv_salt)."""
+        return self.base.kv_cache_state()
+
+    async def prompt_blocks(self, request: GenerateRequest, salt: bytes = b"") -> PromptHashes | None:
+        return await self.base.prompt_blocks(request, salt or self.kv_salt)
+
+    def unload(self) -> None:
+        raise RuntimeError("a worker adapter is unloaded with unload_async on the event loop")
+
+    async def unload_async(self) -> None:
+        """Drop its matrices in the worker; nothing to do once the worker is
+        gone (they went with it)."""
+        self.base.adapters.pop(self.name, None)
+        if not self.worker.is_alive:
+            return
+        try:
+            await self.worker.call("unload_adapter", self.name)
+        except Unavailable:
+            pass  # it died meanwhile, taking the adapter with it
 
 
 async def load_in_worker(backend_name: str, config, model_dir: Path, timeout_s: float,
