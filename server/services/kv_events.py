@@ -12,17 +12,20 @@ message is built, never counted here:
   prompt matching k of these blocks reuses at least k blocks.
 
 Both caches answer the same four names (kv_block_hashes, kv_prompt_hashes,
-kv_block_size, kv_cache_kind), read here by name: the server imports no
-backend's insides (tests/unit/test_layering.py).
+kv_block_size, kv_cache_kind), read by name (server/workers/kv_cache.py):
+the server imports no backend's insides (tests/unit/test_layering.py). A
+model in a worker process has its worker read them: the daemon keeps what
+the worker last answered (kv_cache.KvMirror, asked again as watchers read
+it) and has the worker hash PromptBlocks' prompts. A LoRA adapter's
+prompts hash under its salt (`kv_salt`), as its blocks are stored.
 
 A watch keeps what it last sent (one set of hashes per model) and sends the
 difference from the caches as they are when the watcher takes its next
 message: a slow watcher never builds a backlog, and a difference larger than
 the cache itself goes as a fresh snapshot instead. This is the one place the
 Node service reads past the engine into a served model's generation loop
-(as DataPlane.context_length does): a backend without one, a worker process
-or a remote engine publishes nothing, and the gateway routes those models on
-its guess.
+(as DataPlane.context_length does): a backend without one or a remote
+engine publishes nothing, and the gateway routes those models on its guess.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from modeld.backends.errors import InvalidArgument, NotFound, Unavailable
 from modeld.gen import generation_pb2, inference_pb2
 from modeld.gen import node_pb2 as pb
+from modeld.server.workers.kv_cache import model_cache, prompt_hashes
 
 # one message never holds more hashes than this; a snapshot past it is cut
 # (a gateway then misses some blocks: a lost cache hit, never a wrong answer)
@@ -52,18 +56,18 @@ class CacheView:
     hashes: frozenset[int]
 
 
-def prefix_cache(plane, name: str):
-    """The served model's prefix cache and generation loop, where its
-    scheduler keeps one that says what it holds (kv_block_hashes,
-    kv_prompt_hashes, kv_block_size, kv_cache_kind); (None, None) elsewhere."""
-    served = plane.engine.served(name)
-    loop = getattr(getattr(served, "loaded", None), "loop", None)
-    scheduler = getattr(loop, "scheduler", None)
-    for attribute in ("blocks", "slots"):
-        cache = getattr(scheduler, attribute, None)
-        if cache is not None and hasattr(cache, "kv_block_hashes"):
-            return cache, loop
-    return None, None
+def cache_view(name: str, loaded) -> CacheView | None:
+    """The model's prefix cache now: read in the daemon, or as its worker
+    last told it (kv_cache.KvMirror); None for a model without one. An
+    adapter's is its base's (its blocks hash under the adapter's salt)."""
+    cache, _ = model_cache(loaded)
+    if cache is not None:
+        return CacheView(name, cache.kv_cache_kind, cache.kv_block_size, id(cache), cache.kv_block_hashes())
+    read = getattr(loaded, "kv_cache_state", None)
+    state = read() if read is not None else None
+    if state is None:
+        return None
+    return CacheView(name, state.kind, state.block_size, state.identity, state.hashes)
 
 
 def cache_views(plane) -> dict[str, CacheView]:
@@ -72,10 +76,10 @@ def cache_views(plane) -> dict[str, CacheView]:
     for status in plane.engine.statuses():
         if status.state.value != "READY":
             continue
-        cache, _ = prefix_cache(plane, status.name)
-        if cache is not None:
-            views[status.name] = CacheView(status.name, cache.kv_cache_kind, cache.kv_block_size, id(cache),
-                                           cache.kv_block_hashes())
+        served = plane.engine.served(status.name)
+        view = cache_view(status.name, served.loaded) if served is not None else None
+        if view is not None:
+            views[status.name] = view
     return views
 
 
@@ -136,10 +140,30 @@ def _model_events(view: CacheView, stored, removed, cleared: bool = False) -> pb
                             cleared=cleared, cache=view.cache)
 
 
-def prompt_blocks(plane, request: pb.PromptBlocksRequest) -> pb.PromptBlocksResponse:
-    """The prompt's block hashes under its model's cache here: NOT_FOUND for
-    a model this daemon does not serve now, UNAVAILABLE for one whose cache
-    it cannot read (the gateway then routes on its guess)."""
+async def prompt_blocks(plane, request: pb.PromptBlocksRequest) -> pb.PromptBlocksResponse:
+    """The prompt's block hashes under its model's cache here (an adapter's
+    under its salt, as its blocks are stored): NOT_FOUND for a model this
+    daemon does not serve now, UNAVAILABLE for one whose cache it cannot
+    read (the gateway then routes on its guess)."""
+    generate = _generate_request(request)
+    served = plane.engine.served(generate.model_name)
+    if served is None:
+        raise NotFound(f"model {generate.model_name!r} is not served on this node now")
+    loaded = served.loaded
+    salt = getattr(loaded, "kv_salt", b"")
+    if model_cache(loaded)[0] is not None:
+        answer = prompt_hashes(loaded, generate, salt)
+    elif hasattr(loaded, "prompt_blocks"):  # in a worker process: it hashes there
+        answer = await loaded.prompt_blocks(generate, salt)
+    else:
+        answer = None
+    if answer is None:
+        raise Unavailable(f"model {generate.model_name!r} publishes no prefix-cache blocks on this node")
+    return pb.PromptBlocksResponse(model=served.config.name, block_size=answer.block_size, hashes=answer.hashes,
+                                   num_prompt_tokens=answer.num_prompt_tokens)
+
+
+def _generate_request(request: pb.PromptBlocksRequest):
     kind = request.WhichOneof("request")
     if kind == "generate":
         from modeld.server.services.generation import request_from_proto
@@ -148,23 +172,13 @@ def prompt_blocks(plane, request: pb.PromptBlocksRequest) -> pb.PromptBlocksResp
             message = generation_pb2.GenerateRequest.FromString(request.generate)
         except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError
             raise InvalidArgument(f"generate is not a modeld.v1.GenerateRequest: {exc}") from None
-        generate = request_from_proto(message)
-    elif kind == "model_infer":
+        return request_from_proto(message)
+    if kind == "model_infer":
         from modeld.server.services.kserve_text import text_request
 
         try:
             message = inference_pb2.ModelInferRequest.FromString(request.model_infer)
         except Exception as exc:  # noqa: BLE001
             raise InvalidArgument(f"model_infer is not an inference.ModelInferRequest: {exc}") from None
-        generate, _ = text_request(message, "")
-    else:
-        raise InvalidArgument("PromptBlocks needs a generate or model_infer request")
-    served = plane.engine.served(generate.model_name)
-    if served is None:
-        raise NotFound(f"model {generate.model_name!r} is not served on this node now")
-    cache, loop = prefix_cache(plane, generate.model_name)
-    if cache is None:
-        raise Unavailable(f"model {generate.model_name!r} publishes no prefix-cache blocks on this node")
-    token_ids = loop.prompt_ids(generate)
-    return pb.PromptBlocksResponse(model=served.config.name, block_size=cache.kv_block_size,
-                                   hashes=cache.kv_prompt_hashes(token_ids), num_prompt_tokens=len(token_ids))
+        return text_request(message, "")[0]
+    raise InvalidArgument("PromptBlocks needs a generate or model_infer request")

@@ -88,7 +88,7 @@ class NodeService(pb_grpc.NodeServicer):
         """The block hashes a gateway looks up for a prompt (kv_events.prompt_blocks)."""
         begin_grpc_call(context)
         try:
-            return kv_events.prompt_blocks(self.plane, request)
+            return await kv_events.prompt_blocks(self.plane, request)
         except ModeldError as exc:
             await context.abort(STATUS_BY_KIND[exc.kind], str(exc))
         except Exception:  # a bug: say so and keep serving

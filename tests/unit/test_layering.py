@@ -172,6 +172,7 @@ FRONT_MAY_IMPORT = {
     "modeld.server.stats",  # figures the statistics RPCs encode
     "modeld.server.rerank",  # the rerank parameters' names
     "modeld.server.tool_calls",  # tool choice and call reading shared by the OpenAI and gRPC fronts (no engine in it)
+    "modeld.server.workers.kv_cache",  # a prefix cache read as gateways are told of it, in the daemon or a worker (no engine in it)
     "modeld.server.auth",
     "modeld.server.metrics",
     "modeld.server.services",
