@@ -32,8 +32,8 @@ SYSTEM = ("You are the routing assistant of the modeld fleet tests. Answer in on
 def kv_fleet(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
     add_small_smollm2(repo)
-    # in the daemon's own process: a model in a worker process publishes no
-    # cache events yet (the worker protocol does not carry them)
+    # in the daemon's own process (models in worker processes publish too:
+    # tests/integration/test_kv_events_workers.py)
     toml = repo / MODEL / "model.toml"
     toml.write_text('isolation = "in-process"\n' + toml.read_text())
     with ThreadPoolExecutor(3) as pool:
