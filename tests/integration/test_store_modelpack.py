@@ -30,11 +30,11 @@ import tarfile
 import httpx
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from modeld.backends.errors import InvalidArgument, ResourceExhausted
 from modeld.server.store import ModelStore, OciSettings, StoreSettings
 from store_servers import start_registry
+from test_model_versions import scale_model
 
 MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 ARTIFACT = "application/vnd.cncf.model.manifest.v1+json"
@@ -44,17 +44,6 @@ TITLE = "org.opencontainers.image.title"
 # each file of the test folder and the kind of layer the spec gives it
 KINDS = {"model.onnx": "weight", "tokenizer.json": "weight.config", "README.md": "doc",
          "sub/vocab.txt": "weight.config", "tools/convert.py": "code"}
-
-
-def scale_model(factor: float) -> bytes:
-    w = numpy_helper.from_array(np.full(4, factor, dtype=np.float32), "w")
-    graph = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["y"])], "scale",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
-                              initializer=[w])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model.SerializeToString()
 
 
 def make_folder(path, factor: float) -> dict[str, bytes]:
