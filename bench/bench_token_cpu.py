@@ -2,7 +2,7 @@
 from llama.cpp's compute threads, and the per-token path's cost with a
 zero-cost model.
 
-Two parts (both by default; `--only unit` or `--only daemon`):
+Three parts (all by default; `--only unit`, `--only daemon` or `--only sampling`):
 
   unit    the shared GenerationLoop over the llama.cpp SlotScheduler with a
           model that costs nothing (a StepExecutor whose run returns
@@ -23,6 +23,12 @@ Two parts (both by default; `--only unit` or `--only daemon`):
           phase: the share of its busy samples inside llama_decode is
           compute, the rest Python. That profile (every Python thread of
           both processes, by function) is where the Python time goes.
+
+  sampling  one sampled row of SmolLM2's real logits (8 rows a decode, at
+          OpenAI's default temperature 1 over the whole vocabulary and at
+          llama-server's top-k 40): microseconds per row drawn in numpy (the
+          row copied out, sampling.probabilities, sampling.draw) and on
+          llama.cpp's sampler chain in its buffer (native_sampling).
 
   --temperature none sends the daemon's streams without a temperature, as
   aiperf does (OpenAI's default 1: sampled over the whole vocabulary, on
@@ -127,6 +133,54 @@ def unit_bench(sequences: int, tokens: int, repeats: int = 3) -> dict:
             "us_per_step": wall / steps * 1e6, "us_per_token": wall / count * 1e6,
             "cpu_us_per_token": cpu / count * 1e6,
             "us_per_step_runs": [r[0] / r[1] * 1e6 for r in runs]}
+
+
+# -- sampling: one row, numpy against llama.cpp's chain ---------------------------------
+
+def sampling_bench(repeats: int = 200) -> list[dict]:
+    import numpy as np
+
+    from modeld.backends.generation.params import SamplingParams
+    from modeld.backends.generation.sampling import draw, make_rng, probabilities
+    from modeld.backends.llamacpp.context import LlamaContext, LlamaModel, _llama
+    from modeld.backends.llamacpp.native_sampling import NativeSampler
+
+    model = LlamaModel(ROOT / "models/smollm2/model.gguf")
+    context = LlamaContext(model, 4096, 8, 512, 2)
+    rows = 8
+    try:
+        ids = model.tokenize(PROMPTS[0])
+        # 8 sequences' prompts in one decode, each one's last position a logit row
+        context.submit([(t, p, s, p == len(ids) - 1) for s in range(rows) for p, t in enumerate(ids)])
+        llama = _llama()
+        view = np.ctypeslib.as_array(llama.llama_get_logits(context.ctx), shape=(rows, model.vocab_size))
+        batch_index = [s * len(ids) + len(ids) - 1 for s in range(rows)]
+        out = []
+        for name, params in (("temperature 1, whole vocabulary", SamplingParams(temperature=1.0)),
+                             ("top-k 40 (llama-server's default)", SamplingParams(temperature=0.8, top_k=40,
+                                                                                  top_p=0.95, min_p=0.05))):
+            rng = make_rng(1)
+            started = time.perf_counter()
+            for _ in range(repeats):
+                for r in range(rows):
+                    draw(probabilities(view[r].copy(), params), rng)
+            numpy_us = (time.perf_counter() - started) / (repeats * rows) * 1e6
+            samplers = [NativeSampler(model, params, ids, []) for _ in range(rows)]
+            started = time.perf_counter()
+            for _ in range(repeats):
+                for r in range(rows):
+                    samplers[r].sample(context.ctx, batch_index[r])
+            native_us = (time.perf_counter() - started) / (repeats * rows) * 1e6
+            for sampler in samplers:
+                sampler.close()
+            out.append({"sampling": name, "numpy_us_per_row": numpy_us, "native_us_per_row": native_us,
+                        "ratio": native_us / numpy_us})
+            print(f"sampling one row, {name}: numpy {numpy_us:.0f} us, llama.cpp chain {native_us:.0f} us",
+                  flush=True)
+        return out
+    finally:
+        context.close()
+        model.close()
 
 
 # -- daemon: thread CPU per token ------------------------------------------------------
@@ -413,7 +467,7 @@ def daemon_bench(stream_counts: list[int], tokens: int, rounds: int, profile: bo
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", choices=["unit", "daemon"])
+    parser.add_argument("--only", choices=["unit", "daemon", "sampling"])
     parser.add_argument("--streams", default="1,8,32")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
@@ -432,6 +486,8 @@ def main() -> None:
         for row in record["unit"]:
             print(f"zero-cost model, {row['sequences']} sequences: {row['us_per_step']:.0f} us/step, "
                   f"{row['us_per_token']:.1f} us/token", flush=True)
+    if args.only in (None, "sampling"):
+        record["sampling"] = sampling_bench()
     if args.only in (None, "daemon"):
         counts = [int(n) for n in args.streams.split(",")]
         record["daemon"] = daemon_bench(counts, args.tokens, args.rounds, not args.no_profile)
