@@ -1,4 +1,5 @@
-"""GGUF LoRA adapters over a llama.cpp base in a real daemon: named as the
+"""GGUF LoRA adapters over a llama.cpp base in a real daemon, the base in
+the daemon and in a worker process: named as the
 model over gRPC Generate they load their base first and give
 llama-cpp-python's Llama(lora_path=...) tokens; their budget entry is
 their measured bytes; a bad one is refused over RepositoryModelLoad with
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.slow
 BASE_TOML = """format = "gguf"
 backends = ["llamacpp"]
 artifact = "model.gguf"
-isolation = "in-process"
+isolation = "{isolation}"
 
 [llamacpp]
 n_ctx = 4096
@@ -40,11 +41,12 @@ def suite():
     return cached_gguf_suite(PROMPTS, NEW_TOKENS, BASE)
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory, suite):
+# the adapters live on the base's runtime: in the daemon, or in the base's worker process
+@pytest.fixture(scope="module", params=["in-process", "process"])
+def node(tmp_path_factory, suite, request):
     root = tmp_path_factory.mktemp("lora-gguf-repo")
     (root / BASE).mkdir()
-    (root / BASE / "model.toml").write_text(BASE_TOML)
+    (root / BASE / "model.toml").write_text(BASE_TOML.format(isolation=request.param))
     (root / BASE / "model.gguf").symlink_to((MODELS / BASE / "model.gguf").resolve())
     for recipe in RECIPES:
         shutil.copytree(suite.root / recipe.name, root / recipe.name)
