@@ -178,7 +178,7 @@ def _bad_folder(tmp_path, suite, case: str):
     elif case == "rank above the limit":
         write_lora_gguf(target, "llama", {"blk.0.attn_q.weight": (576, 80, 576)})  # max_lora_rank: 64
     elif case == "a full model":
-        shutil.copy((MODELS / BASE / "model.gguf").resolve(), target)
+        target.symlink_to((MODELS / BASE / "model.gguf").resolve())
     elif case == "a PEFT adapter":
         shutil.copytree(suite.root / "peft" / NAMES[0], folder, dirs_exist_ok=True)
         (folder / "model.toml").write_text(f'format = "lora"\nbase = "{BASE}"\n')  # adapter_model.safetensors
