@@ -88,18 +88,18 @@ def _raw_logits(model, ids: list[int]) -> np.ndarray:
 
 
 def test_seeded_sampling_repeats_alone_and_beside_other_requests(model):
-    """aiperf's request (no temperature: OpenAI's default 1, the whole
-    vocabulary) with a seed: the same tokens alone, again, and sharing its
-    steps with other sampled streams; another seed, other tokens. Every row
-    drawn in llama.cpp's buffer, none copied."""
+    """A seeded request at temperature 1 with top-p 0.95: the same tokens
+    alone, again, and sharing its steps with other sampled streams; another
+    seed, other tokens. Every row drawn in llama.cpp's buffer, none copied."""
     prompt = PROMPTS[0]
+    sampled = dict(temperature=1.0, top_p=0.95)
 
     async def go():
-        alone = await _generate(model, prompt, temperature=1.0, seed=11)
-        again = await _generate(model, prompt, temperature=1.0, seed=11, cache_prompt=False)
-        together = await asyncio.gather(_generate(model, prompt, temperature=1.0, seed=11),
-                                        *(_generate(model, p, temperature=1.0, seed=i) for i, p in enumerate(PROMPTS)))
-        other = await _generate(model, prompt, temperature=1.0, seed=12)
+        alone = await _generate(model, prompt, seed=11, **sampled)
+        again = await _generate(model, prompt, seed=11, cache_prompt=False, **sampled)
+        together = await asyncio.gather(_generate(model, prompt, seed=11, **sampled),
+                                        *(_generate(model, p, seed=i, **sampled) for i, p in enumerate(PROMPTS)))
+        other = await _generate(model, prompt, seed=12, **sampled)
         return alone, again, together, other
     (alone, again, together, other), counts = _counted(model, go)
     assert len(alone) == 24 and alone == again == together[0]
@@ -176,7 +176,7 @@ def test_a_step_of_native_numpy_and_greedy_rows(model):
     sampled one with logprobs and a constrained one (numpy: their rows are
     copied out), a greedy one (argmax in the buffer). Each gives the tokens
     it gives alone."""
-    requests = [dict(temperature=1.0, seed=3), dict(temperature=1.0, seed=4, logprobs=1),
+    requests = [dict(temperature=1.0, top_k=40, seed=3), dict(temperature=1.0, seed=4, logprobs=1),
                 dict(temperature=0.9, seed=5, constraint=Constraint(ConstraintKind.REGEX, "[a-z ]{1,80}")),
                 dict(temperature=0.0)]
     prompts = PROMPTS
