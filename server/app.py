@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from modeld.server.health_watch import DrainingHealthServicer
 from modeld.server.http_listen import embedded_server, listen
 from modeld.backends.errors import ErrorKind, ModeldError
 from modeld.backends.registry import BackendRegistry
@@ -66,7 +67,7 @@ class Daemon:
         self.plane = DataPlane(self.engine, self.lifecycle,
                                max_request_bytes=settings.max_request_bytes or settings.max_message_bytes,
                                limits=settings.request_limits())
-        self.health = health.aio.HealthServicer()
+        self.health = DrainingHealthServicer()
         self.engine.add_listener(self._on_model_state)
         self.server: grpc.aio.Server | None = None
         self.port = 0

@@ -20,6 +20,7 @@ from modeld.server.gateway.metrics import GatewayMetrics
 from modeld.server.gateway.nodes import Fleet
 from modeld.server.gateway.router import Router
 from modeld.server.gateway.service import GENERATION, INFERENCE, GatewayService
+from modeld.server.health_watch import DrainingHealthServicer
 from modeld.server.reflection import reflection_pool
 from modeld.server.tls import ServerTls, add_port, reload_credentials
 
@@ -43,7 +44,7 @@ class Gateway:
         self.fleet = Fleet(settings, self.metrics, NodeCredentials.load(settings))
         self.router = Router(self.fleet, settings, self.metrics)
         self.service = GatewayService(self.fleet, self.router, settings, self.metrics)
-        self.health = health.aio.HealthServicer()
+        self.health = DrainingHealthServicer()
         self._health_view: dict[str, int] = {}
         self.server: grpc.aio.Server | None = None
         self.port = 0
