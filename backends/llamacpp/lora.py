@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from modeld.backends.artifact_paths import scrub_paths
 from modeld.backends.base import GenerativeModel
 from modeld.backends.compute_thread import COMPUTE_THREAD
 from modeld.backends.errors import BackendFailure, FailedPrecondition, InvalidArgument, Unavailable
@@ -362,8 +363,8 @@ def read_gguf_adapter(name: str, path: Path, artifact: str, base: BaseShapes, ma
         reader = GGUFReader(str(path), "r")
         tensors = list(reader.tensors)
     except Exception as exc:  # the reader raises whatever its parse hits: bad magic, short reads, bad types
-        raise fail(f"is not a readable GGUF file, corrupt or truncated ({type(exc).__name__}: {str(exc)[:120]})") \
-            from None
+        detail = scrub_paths(str(exc), (path.parent,))[:120]  # a reader's OSError names the file's path
+        raise fail(f"is not a readable GGUF file, corrupt or truncated ({type(exc).__name__}: {detail})") from None
     for tensor in tensors:
         if int(tensor.data_offset) + int(tensor.n_bytes) > size:
             raise fail(f"is truncated: tensor {tensor.name[:80]} ends past the end of the file ({size} bytes)")
