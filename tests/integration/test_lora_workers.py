@@ -122,6 +122,9 @@ def _status(triton, model: str) -> dict:
     return next(m for m in triton.get_model_repository_index(as_json=True)["models"] if m["name"] == model)
 
 
+# slow too: a torch base in a worker compiling for its adapter takes about half a minute, and
+# the default suite's 20 minutes are spent; test_lora_torch covers the adapter maths there
+@pytest.mark.slow
 def test_an_adapter_of_a_worker_base_runs_in_its_worker_and_matches_peft(node, triton, suite):
     assert _generate(node, SQL, PROMPTS[0]) == suite.references[SQL][PROMPTS[0]]
     assert triton.is_model_ready(BASE) and triton.is_model_ready(SQL)  # loaded on first use, base first
