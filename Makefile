@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: all venv models registry serve test test-all test-remote stress vllm-env infinity-env llama-peer aiperf-env bench proto node docs clean
+.PHONY: all venv models registry lora-sdist serve test test-all test-remote stress vllm-env infinity-env llama-peer aiperf-env bench proto node docs clean
 
 all: test
 
@@ -48,8 +48,15 @@ node: $(NODE_STAMP)
 serve: models
 	$(BIN)/modeld serve --model-repository models
 
-test: models node registry
+test: models node registry lora-sdist
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# the llama-cpp-python sdist of the installed version: its convert_lora_to_gguf.py
+# makes the GGUF LoRA test fixtures (fetched at set-up, not while tests run)
+lora-sdist: $(STAMP)
+	@v=$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))'); \
+	test -f var/sdist/llama_cpp_python-$$v.tar.gz || \
+		$(BIN)/pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$$v" -d var/sdist
 
 # the CNCF distribution registry (Debian's docker-registry) the model store's
 # tests push to and pull from; a no-op where it is installed (CI runs as root)
@@ -85,7 +92,7 @@ $(HF_SMOLLM2): | $(STAMP)
 test-remote: models vllm-env $(HF_SMOLLM2)
 	$(BIN)/pytest -m remote tests/remote $(PYTEST_ARGS)
 
-test-all: models node vllm-env $(HF_SMOLLM2)
+test-all: models node lora-sdist vllm-env $(HF_SMOLLM2)
 	$(BIN)/pytest -m '' $(PYTEST_ARGS)
 
 # tests/stress at full size (`make test` runs them short): 6,000 field-level

@@ -37,6 +37,7 @@ BASE_GGUF = MODELS / "smollm2" / "model.gguf"
 RECIPES = PEFT_RECIPES[:2]
 ADAPTER_FILE = "adapter.gguf"
 CACHE = Path(tempfile.gettempdir()) / "modeld-test-lora-gguf"
+SDIST_DIR = Path(__file__).resolve().parent.parent / "var" / "sdist"
 # the reference runs as the daemon does: flash attention (backends/llamacpp/context.py)
 REFERENCE_OPTIONS = {"n_ctx": 512, "n_threads": 2, "flash_attn": True, "verbose": False}
 
@@ -56,8 +57,14 @@ def converter() -> Path:
     staging = root.with_name(f"{root.name}.{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     download = staging / "sdist"
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                    f"llama-cpp-python=={version}", "-d", str(download)], check=True, timeout=600)
+    # `make test` fetches the sdist at set-up (make lora-sdist); pip here only where a run skipped it
+    fetched = SDIST_DIR / f"llama_cpp_python-{version}.tar.gz"
+    if fetched.is_file():
+        download.mkdir(parents=True)
+        shutil.copy(fetched, download / fetched.name)
+    else:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={version}", "-d", str(download)], check=True, timeout=600)
     (archive,) = download.glob("llama_cpp_python-*.tar.gz")
     prefix = f"{archive.name[:-len('.tar.gz')]}/vendor/llama.cpp/"
     wanted = ("convert_lora_to_gguf.py", "conversion/", "gguf-py/")
