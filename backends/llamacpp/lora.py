@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import Mapping
 
 from modeld.backends.artifact_paths import scrub_paths
-from modeld.backends.base import GenerativeModel
 from modeld.backends.compute_thread import COMPUTE_THREAD
-from modeld.backends.errors import BackendFailure, FailedPrecondition, InvalidArgument, Unavailable
+from modeld.backends.errors import BackendFailure, FailedPrecondition, InvalidArgument
 from modeld.backends.generation.block_manager import chain_hash, salt_seed
 from modeld.backends.generation.paged_scheduler import REQUEST_ADAPTER, adapter_salt
+from modeld.backends.generation.adapter_model import LoopAdapterModel
 from modeld.backends.generation.interface import SlotWork, StepPlan
 from modeld.backends.generation.sequence import Sequence
 from modeld.backends.generation.slot_scheduler import SlotConfig, SlotScheduler
@@ -476,57 +476,14 @@ def release_adapters(base) -> None:
         base.adapters.close()
 
 
-class LlamaAdapterModel(GenerativeModel):
+class LlamaAdapterModel(LoopAdapterModel):
     """A GGUF LoRA served as a model of its own: requests naming it run on
     its base's generation loop and KV slots, under the adapter."""
 
     def __init__(self, base, adapter_id: int, spec: GgufAdapterSpec) -> None:
         from modeld.backends.llamacpp.backend import TEXT_SIGNATURE
 
-        self.base = base
-        self.adapter_id = adapter_id
-        # the namespace its prompts' blocks hash under (what a gateway's PromptBlocks reads)
-        self.kv_salt = adapter_salt(adapter_id)
-        self.rank = spec.rank
-        self.nbytes = spec.nbytes
-        self.inputs, self.outputs = TEXT_SIGNATURE
-        self.loop = base.loop
-        self.runner = base.runner
-        self.num_in_flight = 0
-        self._stopping = False
-
-    def set_observer(self, observer) -> None:
-        """The base's loop reports the steps, adapters' sequences included."""
-
-    async def start(self) -> None:
-        self._stopping = False
-
-    async def stop(self) -> None:
-        """Take no new requests and wait for this adapter's to finish."""
-        import asyncio
-
-        self._stopping = True
-        while self.num_in_flight:
-            await asyncio.sleep(0.01)
-
-    async def generate(self, request):
-        if self._stopping:
-            raise Unavailable("the adapter is being unloaded; retry")
-        self.num_in_flight += 1
-        events = self.base.loop.generate(request)
-        try:
-            # the base's scheduler reads the adapter in add(), inside this first step of the stream
-            token = REQUEST_ADAPTER.set(self.adapter_id)
-            try:
-                first = await events.__anext__()
-            finally:
-                REQUEST_ADAPTER.reset(token)
-            yield first
-            async for event in events:
-                yield event
-        finally:
-            self.num_in_flight -= 1
-            await events.aclose()
+        super().__init__(base, adapter_id, spec.rank, spec.nbytes, TEXT_SIGNATURE)
 
     def unload(self) -> None:
         base = self.base

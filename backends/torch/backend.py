@@ -19,11 +19,12 @@ import structlog
 from modeld.backends.artifact_paths import check_tokenizer_config
 from modeld.backends.base import Backend, Capability, GenerativeModel, Verdict
 from modeld.backends.compute_thread import COMPUTE_THREAD
-from modeld.backends.errors import LoadFailed, Unavailable
+from modeld.backends.errors import LoadFailed
+from modeld.backends.generation.adapter_model import LoopAdapterModel
 from modeld.backends.generation.executor import StepExecutor
 from modeld.backends.generation.interface import PagedWork, StepPlan
 from modeld.backends.generation.loop import GenerationLoop
-from modeld.backends.generation.paged_scheduler import REQUEST_ADAPTER, PagedConfig, PagedScheduler, adapter_salt
+from modeld.backends.generation.paged_scheduler import PagedConfig, PagedScheduler
 from modeld.backends.generation.scheduler import admission_from
 from modeld.backends.generation.chat_template import ChatTemplate, model_chat_template, render_chat
 from modeld.backends.generation.params import ChatMessage, ToolSpec
@@ -328,56 +329,13 @@ class TorchGenerativeModel(GenerativeModel):
         self.runner.model = None
 
 
-class TorchAdapterModel(GenerativeModel):
+class TorchAdapterModel(LoopAdapterModel):
     """A LoRA adapter served as a model of its own: requests naming it run on
     its base's generation loop, in the same steps as the base's and other
     adapters' sequences, with the adapter's low-rank products on top."""
 
     def __init__(self, base: TorchGenerativeModel, weights) -> None:
-        self.base = base
-        self.adapter_id = weights.adapter_id
-        # the namespace its prompts' blocks hash under (PromptBlocks reads it)
-        self.kv_salt = adapter_salt(weights.adapter_id)
-        self.rank = weights.rank
-        self.nbytes = weights.nbytes
-        self.inputs, self.outputs = TEXT_SIGNATURE
-        self.loop = base.loop
-        self.runner = base.runner
-        self.num_in_flight = 0
-        self._stopping = False
-
-    def set_observer(self, observer) -> None:
-        """The base's loop reports the steps, adapters' sequences included."""
-
-    async def start(self) -> None:
-        self._stopping = False
-
-    async def stop(self) -> None:
-        """Take no new requests and wait for this adapter's to finish."""
-        import asyncio
-
-        self._stopping = True
-        while self.num_in_flight:
-            await asyncio.sleep(0.01)
-
-    async def generate(self, request):
-        if self._stopping:
-            raise Unavailable("the adapter is being unloaded; retry")
-        self.num_in_flight += 1
-        events = self.base.loop.generate(request)
-        try:
-            # the base's scheduler reads the adapter in add(), inside this first step of the stream
-            token = REQUEST_ADAPTER.set(self.adapter_id)
-            try:
-                first = await events.__anext__()
-            finally:
-                REQUEST_ADAPTER.reset(token)
-            yield first
-            async for event in events:
-                yield event
-        finally:
-            self.num_in_flight -= 1
-            await events.aclose()
+        super().__init__(base, weights.adapter_id, weights.rank, weights.nbytes, TEXT_SIGNATURE)
 
     def unload(self) -> None:
         if self.base.model is not None:
