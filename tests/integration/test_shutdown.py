@@ -19,22 +19,9 @@ LONG_TEXT = " ".join(["a long sentence keeps the model busy for a while"] * 30)
 
 def test_graceful_shutdown_with_calls_in_flight():
     daemon = start_daemon("--no-preload", env={"MODELD_DRAIN_DELAY_S": "1.0", "MODELD_SHUTDOWN_GRACE_S": "30"})
-    statuses: list[int] = []
-    ended: list[grpc.StatusCode] = []
     with Client(daemon.address, timeout=60) as client, grpc.insecure_channel(daemon.address) as channel:
         client.load("minilm")
-        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
-
-        def follow():
-            try:
-                for message in watch:
-                    statuses.append(message.status)
-                ended.append("ok")
-            except grpc.RpcError as exc:
-                ended.append(exc.code())
-
-        follower = threading.Thread(target=follow, daemon=True)
-        follower.start()
+        follower, statuses, ended = _follow_health(channel)
         entered = _calls_entered(client)
         with ThreadPoolExecutor(16) as pool:
             futures = [pool.submit(client.embed, [LONG_TEXT] * 4) for _ in range(8)]
@@ -74,21 +61,8 @@ def test_a_health_watcher_does_not_hold_the_drain_for_the_grace_period():
     here the grace is 600 s and the daemon, with no call in flight, must exit
     long before, the watch told NOT_SERVING and then ended OK."""
     daemon = start_daemon("--no-preload", env={"MODELD_DRAIN_DELAY_S": "0.5", "MODELD_SHUTDOWN_GRACE_S": "600"})
-    statuses: list[int] = []
-    ended: list[object] = []
     with grpc.insecure_channel(daemon.address) as channel:
-        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
-
-        def follow():
-            try:
-                for message in watch:
-                    statuses.append(message.status)
-                ended.append("ok")
-            except grpc.RpcError as exc:
-                ended.append(exc.code())
-
-        follower = threading.Thread(target=follow, daemon=True)
-        follower.start()
+        follower, statuses, ended = _follow_health(channel)
         wait_until(lambda: health_pb2.HealthCheckResponse.SERVING in statuses, what="the watch to report SERVING")
         daemon.proc.send_signal(15)
         # far below the grace: only a watch that ends lets the daemon exit this soon
@@ -96,3 +70,23 @@ def test_a_health_watcher_does_not_hold_the_drain_for_the_grace_period():
         follower.join(30)
     assert statuses[-1] == health_pb2.HealthCheckResponse.NOT_SERVING
     assert ended == ["ok"]
+
+
+def _follow_health(channel) -> tuple[threading.Thread, list[int], list[object]]:
+    """A health Watch on "" read on a thread: the statuses it reports, and
+    how it ended ("ok" when the daemon ended it, else the status code)."""
+    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=600)
+    statuses: list[int] = []
+    ended: list[object] = []
+
+    def follow():
+        try:
+            for message in watch:
+                statuses.append(message.status)
+            ended.append("ok")
+        except grpc.RpcError as exc:
+            ended.append(exc.code())
+
+    follower = threading.Thread(target=follow, daemon=True)
+    follower.start()
+    return follower, statuses, ended
