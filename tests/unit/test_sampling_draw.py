@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from modeld.backends.generation.params import SamplingParams
-from modeld.backends.generation.sampling import draw, probabilities
+from modeld.backends.generation.sampling import draw, draw_whole, probabilities, truncates
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
@@ -23,3 +23,23 @@ def test_draw_is_choice_from_the_same_state(temperature, top_k, top_p, min_p):
     assert picked == [int(numpy_s.choice(probs.shape[0], p=probs)) for _ in range(300)]
     assert len(set(picked)) > 1  # a real draw, not one token every time
     assert ours.random() == numpy_s.random()  # and both generators moved alike
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+def test_whole_vocabulary_draw_picks_what_the_filtered_path_picks(temperature):
+    params = SamplingParams(temperature=temperature, max_tokens=1)
+    logits = (np.random.default_rng(5).standard_normal(49152) * 4).astype(np.float32)
+    ours, reference = np.random.default_rng(13), np.random.default_rng(13)
+    picked = [draw_whole(logits, temperature, ours) for _ in range(300)]
+    assert picked == [draw(probabilities(logits, params), reference) for _ in range(300)]
+    assert len(set(picked)) > 1
+    assert ours.random() == reference.random()
+
+
+def test_sample_rows_takes_the_whole_vocabulary_path_only_without_filters():
+    vocab = 49152
+    assert not truncates(SamplingParams(temperature=1.0, max_tokens=1), vocab)
+    assert not truncates(SamplingParams(temperature=1.0, top_k=vocab, max_tokens=1), vocab)
+    assert truncates(SamplingParams(temperature=1.0, top_k=40, max_tokens=1), vocab)
+    assert truncates(SamplingParams(temperature=1.0, top_p=0.9, max_tokens=1), vocab)
+    assert truncates(SamplingParams(temperature=1.0, min_p=0.05, max_tokens=1), vocab)
