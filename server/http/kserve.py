@@ -24,7 +24,7 @@ from modeld.server.http.common import (
 from modeld.server.http.kserve_json import (
     HEADER_LENGTH, dumps, file_contents, infer_request, infer_response, parameters_of, spec_json,
 )
-from modeld.server.request_context import internal_message
+from modeld.server.request_context import internal_message, release_frames
 from modeld.server.requests import ModelState
 from modeld.server.services.inference import model_infer
 from modeld.server.services.parsing import decode_off_loop
@@ -46,6 +46,7 @@ def _endpoint(method):
             return await method(self, request)
         except Exception as exc:  # noqa: BLE001 - mapped to a status below
             model = request.path_params.get("name", "")
+            release_frames(exc)  # after the status is chosen nothing reads them; see release_frames
             if isinstance(exc, ModeldError):
                 log.info("http_failed", path=request.url.path, status=exc.kind.value, reason=str(exc))
                 self.plane.count_failure(model, exc.kind)

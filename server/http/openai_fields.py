@@ -23,7 +23,7 @@ from modeld.backends.errors import ErrorKind, InvalidArgument, ModeldError
 from modeld.server.dataplane import DataPlane
 from modeld.server.http.common import CLIENT_GONE_STATUS, ClientGone, check_body_size, json_object, json_type_name, \
     read_body, status_of_error
-from modeld.server.request_context import internal_message
+from modeld.server.request_context import internal_message, release_frames
 
 log = structlog.get_logger("modeld.http.openai")
 
@@ -60,6 +60,7 @@ def error_response(exc: BaseException, plane: DataPlane, model: str) -> JSONResp
         kind, message = ErrorKind.INTERNAL, internal_message()
         log.error("http_bug", api="openai", exc_info=exc)
     plane.count_failure(model, kind)
+    release_frames(exc)  # logged: nothing reads its frames again (see release_frames)
     body = {"message": message, "type": _ERROR_TYPE.get(kind, "server_error"),
             "param": getattr(exc, "param", None), "code": kind.value.lower()}
     return JSONResponse({"error": body}, status_code=status_of_error(exc))

@@ -20,7 +20,9 @@ import structlog
 
 from modeld.backends.errors import ErrorKind, ModeldError
 from modeld.server.dataplane import DRAINING_MESSAGE, DataPlane
-from modeld.server.request_context import REQUEST_ID_HEADER, begin_call, current_request_id, internal_message
+from modeld.server.request_context import (
+    REQUEST_ID_HEADER, begin_call, current_request_id, internal_message, release_frames,
+)
 
 __all__ = ["STATUS_BY_KIND", "begin_grpc_call", "count_failure", "current_request_id", "grpc_errors"]
 
@@ -59,15 +61,23 @@ def grpc_errors(method):
     """Decorate a unary or streaming grpc.aio servicer method."""
     name = method.__name__
 
-    async def fail(servicer, context, request, exc: BaseException, request_id: str):
+    def fail(servicer, context, request, exc: BaseException, request_id: str) -> None:
         trailer = ((REQUEST_ID_HEADER, request_id),)
         if isinstance(exc, ModeldError):
             log.info("rpc_failed", rpc=name, status=exc.kind.value, reason=str(exc))
             count_failure(servicer, model_of(request), exc.kind)
-            await context.abort(STATUS_BY_KIND[exc.kind], str(exc), trailing_metadata=trailer)
-        log.exception("rpc_bug", rpc=name)
-        count_failure(servicer, model_of(request), ErrorKind.INTERNAL)
-        await context.abort(grpc.StatusCode.INTERNAL, internal_message(request_id), trailing_metadata=trailer)
+            code, details = STATUS_BY_KIND[exc.kind], str(exc)
+        else:
+            log.exception("rpc_bug", rpc=name)
+            count_failure(servicer, model_of(request), ErrorKind.INTERNAL)
+            code, details = grpc.StatusCode.INTERNAL, internal_message(request_id)
+        release_frames(exc)
+        # the status is set, not raised with context.abort: grpc's AbortError would
+        # form a cycle with the frames of this call, which hold its request (an
+        # inline upload's files) until the cycle collector runs
+        context.set_code(code)
+        context.set_details(details)
+        context.set_trailing_metadata(trailer)
 
     def begin(context) -> str:
         request_id = begin_grpc_call(context)
@@ -82,8 +92,10 @@ def grpc_errors(method):
             try:
                 async for item in method(self, request, context):
                     yield item
+            except grpc.aio.AbortError:
+                raise  # the method set its status itself (context.abort)
             except Exception as exc:  # noqa: BLE001 - mapped to a status above
-                await fail(self, context, request, exc, request_id)
+                fail(self, context, request, exc, request_id)
         return stream_wrapper
 
     @functools.wraps(method)
@@ -92,6 +104,9 @@ def grpc_errors(method):
         await refuse_if_draining(self, context)
         try:
             return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise  # the method set its status itself (context.abort)
         except Exception as exc:  # noqa: BLE001 - mapped to a status above
-            await fail(self, context, request, exc, request_id)
+            fail(self, context, request, exc, request_id)
+            return None  # grpc sends no message with a status other than OK
     return unary_wrapper

@@ -72,10 +72,11 @@ WARMUP_S = 0.2 * DURATION_S
 SETTLE_S = 3.0
 CHURN_MODELS = ("churn0", "churn1", "churn2")
 CHURN_WEIGHTS = 10 * MIB  # floats: 40 MiB a model in the budget's books
-# Room left for churn models: two of the three. minilm's figure is the larger of its file and the RSS
-# its load added, which moves by some 30 MB from one daemon to the next, so the room is generous: at
-# least one churn model always fits, and the three never do.
-CHURN_ROOM = 2 * 4 * CHURN_WEIGHTS
+# Room left for churn models: two and a half of them, so two fit and the three never do. The figures
+# the budget is sized from come from another daemon (the soak's own share was 4 MiB larger in one run,
+# which with a room of exactly two left space for one: its clients then evicted each other's model
+# between load and infer, and hardly a churn call succeeded); half a model absorbs such drift.
+CHURN_ROOM = 5 * 4 * CHURN_WEIGHTS // 2
 N_SLOTS, CONTEXT = 8, 512
 GEN_TOKENS = 16
 TASK_SLACK = 5  # asyncio tasks that may come and go in a quiet daemon (a metrics scrape, a stats read)
@@ -197,14 +198,17 @@ class Tally:
         self.outcomes: collections.Counter = collections.Counter()
         self.wrong: list[str] = []
         self.refused: list[str] = []
+        self.accepted: dict[str, list[str]] = {}  # the first accepted refusals of each kind, for a failure's message
 
     def start(self, kind: str) -> None:
         with self.lock:
             self.started[kind] += 1
 
-    def done(self, kind: str, outcome: str) -> None:
+    def done(self, kind: str, outcome: str, details: str = "") -> None:
         with self.lock:
             self.outcomes[(kind, outcome)] += 1
+            if details and len(seen := self.accepted.setdefault(kind, [])) < 3:
+                seen.append(f"{outcome}: {details}"[:400])
 
     def bad(self, kind: str, what: str, outcome: str = "wrong") -> None:
         with self.lock:
@@ -241,7 +245,7 @@ class Soak:
         except grpc.RpcError as exc:
             code = exc.code()
             if code in accepted:
-                self.tally.done(kind, code.name)
+                self.tally.done(kind, code.name, exc.details() or "")
             else:
                 self.tally.bad(kind, f"{code.name}: {exc.details()}", code.name)
             return False
@@ -249,7 +253,7 @@ class Soak:
             status = getattr(exc, "status", lambda: None)()
             status = str(status or "").replace("StatusCode.", "")
             if status and any(status == c.name for c in accepted):
-                self.tally.done(kind, status)
+                self.tally.done(kind, status, str(exc))
             else:
                 self.tally.bad(kind, f"{type(exc).__name__} {status}: {exc}", status or "error")
             return False
@@ -391,6 +395,7 @@ class Soak:
                 # a refused inline load leaves no model behind (its upload is
                 # removed): infers then would rightly be NOT_FOUND
                 if not self.call("churn_load", load, pressure):
+                    self.stop.wait(rng.uniform(0.1, 0.5))  # a refused client backs off, as gRPC's retry policy would
                     continue
                 for _ in range(rng.randint(2, 6)):
                     self.call("churn_infer", infer, pressure)
@@ -524,6 +529,9 @@ def test_soak_mixed_load_loses_nothing_and_leaks_nothing(daemon, sizes):
         "clients": 32, "drain_s": soak.drain_s, "calls_started": total_started, "calls_finished": total_finished,
         "calls": tally.table(), "wrong": len(tally.wrong), "wrong_examples": tally.wrong[:5],
         "refused_examples": tally.refused[:5],
+        "accepted_examples": tally.accepted,
+        "memory_bytes_end": {**{m.name: m.memory_bytes for m in end["stats"].models},
+                             "daemon": end["stats"].daemon_memory_bytes},
         "budget_bytes": daemon.budget, "sizes_bytes": sizes,
         "tree_rss_warmup_end_bytes": warm["tree_rss_bytes"], "tree_rss_end_bytes": end["tree_rss_bytes"],
         "tree_rss_growth": round(growth, 4),
@@ -544,7 +552,10 @@ def test_soak_mixed_load_loses_nothing_and_leaks_nothing(daemon, sizes):
     assert not tally.refused, tally.refused[:10]  # UNAVAILABLE and every other unexpected status
     for kind in ("embed", "embed_http", "generate_cached", "generate_uncached", "cancel", "churn_load",
                  "churn_infer", "churn_unload", "node_stats"):
-        assert tally.outcomes[(kind, "OK")] > 0, f"no {kind} call succeeded: {tally.table()}"
+        assert tally.outcomes[(kind, "OK")] > 0, (
+            f"no {kind} call succeeded: {tally.table()}; {tally.accepted}; figures at start {sizes}, at the end "
+            f"{ {m.name: m.memory_bytes for m in end['stats'].models} } and the daemon's "
+            f"{end['stats'].daemon_memory_bytes}")
     assert churn_evictions > 0, "the budget never made a churn model evict another"
     assert not daemon.events("worker_died") and _metric_sum(end["metrics"], "modeld_worker_deaths_total") == 0
 
