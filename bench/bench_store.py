@@ -9,6 +9,10 @@ empty folder:
   modeld   ModelStore.pull_sync into an empty cache: digest-checked, written
            to a partial file and renamed, then hard-linked into the model folder
   oras     the oras Python library's pull of the same tag into an empty folder
+           (it writes what arrives and checks no digest)
+
+Each side keeps one client for every round, and each round ends by deleting
+what it pulled (the store's evict, oras's folder), inside the time.
 
 and reports MB/s of each (median over --rounds) and their ratio
 (goal: modeld >= 0.9x oras). The pull threads run at --nice (default 0,
@@ -71,12 +75,16 @@ def main() -> int:
             oras_client = oras.client.OrasClient(hostname=registry.host, insecure=True)
             times: dict[str, list[float]] = {"modeld": [], "oras": []}
 
+            # One store for every round, as one oras client serves every round: each
+            # side keeps its HTTP client and connection pool, and each round starts
+            # from an empty cache (the store's evict deletes the files, as oras's
+            # side deletes its folder).
+            store = ModelStore(StoreSettings(root / "cache", 1 << 40, settings))
+
             def pull_modeld(i: int) -> None:
-                store = ModelStore(StoreSettings(root / f"cache-{i}", 1 << 40, settings))
                 pulled = store.pull_sync(uri)
                 assert (pulled.folder / "model.onnx").stat().st_size == args.size * 1024 * 1024
-                store.close()
-                shutil.rmtree(root / f"cache-{i}")
+                assert store.cache.evict(uri) == 1 and store.cache.used_bytes() == 0
 
             def pull_oras(i: int) -> None:
                 out = root / f"oras-{i}"
@@ -92,6 +100,7 @@ def main() -> int:
                     t0 = time.perf_counter()
                     pull(i)
                     times[name].append(time.perf_counter() - t0)
+            store.close()
         finally:
             registry.stop()
     mbps = {name: nbytes / 1e6 / statistics.median(ts) for name, ts in times.items()}
