@@ -7,23 +7,28 @@ B @ A * scaling, with A: [r, in], B: [out, r] and scaling = lora_alpha / r
 copy of W is made: each step the base matmul runs once for every token, and
 the adapters' products are added on top (the Punica / S-LoRA idea).
 
-One step mixes S adapters (at most the base's max_loras_per_batch). Their
-A matrices are stacked, each padded with zero rows to the step's largest
-rank R, into one [S * R, in] matrix per projection, and their B matrices
-into one [out, S * R]. Then for the step's tokens x: [T, in]
+One step mixes S adapters (at most the base's max_loras_per_batch). Its
+tokens are gathered by adapter into S groups of C slots each (C: the most
+tokens any one adapter has in the step), and each projection's adapters
+are stacked, zero-padded to the step's largest rank R, into A: [S, in, R]
+and B: [S, R, out] (B already times its adapter's scaling). Then for the
+step's tokens x: [T, in]
 
-    xa    = x @ A_stack.T           [T, S * R]   every adapter's down-projection
-    xa   *= mask                    mask[t, s*R:(s+1)*R] = scaling_s where token t
-                                    runs adapter s, else 0 (the base's tokens: all 0)
-    delta = xa @ B_stack.T          [T, out]     only the token's own adapter survives
+    xg    = x[gather].view(S, C, in)     slot (s, c): the c-th token of adapter s
+    delta = bmm(bmm(xg, A), B)           [S, C, out]: each group times its own adapter
+    delta = delta.view(S * C, out)[back] [T, out] in token order; the base's
+                                         tokens are multiplied by 0
 
-Two matrix products per projection whatever the mix, instead of a Python
-loop over adapters or sequences; the zeros cost S * R columns of compute,
-small beside the base's `in` columns at the ranks adapters use. A token of
-another adapter multiplies by exactly 0, so each sequence's output is the
-one its adapter alone gives. The stacks depend only on which adapters the
-step mixes, so they are built once per adapter set and reused while it
-lasts (decode steps keep the same set for many steps).
+Two batched products per projection whatever the mix, instead of a Python
+loop over adapters or sequences, and each token meets only its own
+adapter's matrices: a stack of all S adapters against every token costs S
+times the multiply-adds, which at 8 decoding streams over 4 adapters took
+as long as reading the matrices. The unused slots of a group (an adapter
+with fewer tokens than C) repeat a real token and are never read back. A
+token's delta is the one its adapter alone gives, and the base's tokens
+get exactly 0. The stacks depend only on which adapters the step mixes, so
+they are built once per adapter set and reused while it lasts (decode
+steps keep the same set for many steps).
 """
 
 from __future__ import annotations
@@ -65,50 +70,59 @@ class LoraWeights:
         return sum(t.numel() * t.element_size() for layer in self.layers for pair in layer.values() for t in pair)
 
 
+class StepSlots(NamedTuple):
+    """Where a step's tokens sit in the adapter groups (same for every layer)."""
+
+    gather: torch.Tensor  # [S * C] token row of each slot
+    back: torch.Tensor  # [T] slot of each token (slot 0 for the base's tokens, which keep zeroes)
+    keep: torch.Tensor | None  # [T, 1] 1 for an adapter's token, 0 for the base's; None when all are adapters'
+
+
 class LayerLora(NamedTuple):
     """One layer's stacks for a step (see the module docstring); a group no
     adapter of the step targets is None and costs nothing."""
 
-    mask: torch.Tensor  # [T, S * R]
-    qkv_a: torch.Tensor | None  # [3 * S * R, dim]: q's rows, then k's, then v's
-    q_b: torch.Tensor | None  # [q_width, S * R]
-    k_b: torch.Tensor | None  # [kv_width, S * R]
+    slots: StepSlots
+    qkv_a: torch.Tensor | None  # [S, dim, 3 * R]: q's columns, then k's, then v's
+    q_b: torch.Tensor | None  # [S, R, q_width], scaled
+    k_b: torch.Tensor | None  # [S, R, kv_width]
     v_b: torch.Tensor | None
-    o_a: torch.Tensor | None  # [S * R, q_width]
-    o_b: torch.Tensor | None  # [dim, S * R]
-    gu_a: torch.Tensor | None  # [2 * S * R, dim]: gate's rows, then up's
-    g_b: torch.Tensor | None  # [hidden, S * R]
+    o_a: torch.Tensor | None  # [S, q_width, R]
+    o_b: torch.Tensor | None  # [S, R, dim]
+    gu_a: torch.Tensor | None  # [S, dim, 2 * R]: gate's columns, then up's
+    g_b: torch.Tensor | None  # [S, R, hidden]
     u_b: torch.Tensor | None
-    d_a: torch.Tensor | None  # [S * R, hidden]
-    d_b: torch.Tensor | None  # [dim, S * R]
+    d_a: torch.Tensor | None  # [S, hidden, R]
+    d_b: torch.Tensor | None  # [S, R, dim]
 
 
-def qkv_delta(lora: LayerLora, x: torch.Tensor, project) -> torch.Tensor | None:
-    if lora.qkv_a is None:
-        return None
-    tokens, width = x.shape[0], lora.mask.shape[1]
-    xa = project(x, lora.qkv_a).view(tokens, 3, width) * lora.mask[:, None, :]
-    return torch.cat((project(xa[:, 0], lora.q_b), project(xa[:, 1], lora.k_b), project(xa[:, 2], lora.v_b)), dim=1)
+def _down_up(lora: LayerLora, x: torch.Tensor, a: torch.Tensor, bs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    gather, back, keep = lora.slots
+    groups, rank = a.shape[0], bs[0].shape[1]
+    xg = x.index_select(0, gather).view(groups, gather.shape[0] // groups, x.shape[1])
+    xa = torch.bmm(xg, a)  # [S, C, len(bs) * R]
+    if len(bs) == 1:
+        delta = torch.bmm(xa, bs[0])
+    else:
+        delta = torch.cat([torch.bmm(xa[..., i * rank:(i + 1) * rank], b) for i, b in enumerate(bs)], dim=2)
+    delta = delta.view(gather.shape[0], delta.shape[-1]).index_select(0, back)
+    return delta if keep is None else delta * keep
 
 
-def out_delta(lora: LayerLora, x: torch.Tensor, project) -> torch.Tensor | None:
-    if lora.o_a is None:
-        return None
-    return project(project(x, lora.o_a) * lora.mask, lora.o_b)
+def qkv_delta(lora: LayerLora, x: torch.Tensor) -> torch.Tensor | None:
+    return None if lora.qkv_a is None else _down_up(lora, x, lora.qkv_a, (lora.q_b, lora.k_b, lora.v_b))
 
 
-def gate_up_delta(lora: LayerLora, x: torch.Tensor, project) -> torch.Tensor | None:
-    if lora.gu_a is None:
-        return None
-    tokens, width = x.shape[0], lora.mask.shape[1]
-    xa = project(x, lora.gu_a).view(tokens, 2, width) * lora.mask[:, None, :]
-    return torch.cat((project(xa[:, 0], lora.g_b), project(xa[:, 1], lora.u_b)), dim=1)
+def out_delta(lora: LayerLora, x: torch.Tensor) -> torch.Tensor | None:
+    return None if lora.o_a is None else _down_up(lora, x, lora.o_a, (lora.o_b,))
 
 
-def down_delta(lora: LayerLora, x: torch.Tensor, project) -> torch.Tensor | None:
-    if lora.d_a is None:
-        return None
-    return project(project(x, lora.d_a) * lora.mask, lora.d_b)
+def gate_up_delta(lora: LayerLora, x: torch.Tensor) -> torch.Tensor | None:
+    return None if lora.gu_a is None else _down_up(lora, x, lora.gu_a, (lora.g_b, lora.u_b))
+
+
+def down_delta(lora: LayerLora, x: torch.Tensor) -> torch.Tensor | None:
+    return None if lora.d_a is None else _down_up(lora, x, lora.d_a, (lora.d_b,))
 
 
 # -- reading a PEFT adapter ------------------------------------------------------
@@ -262,35 +276,35 @@ def _parse_key(name: str, key: str, n_layers: int, targets: frozenset[str]) -> t
 
 
 def build_stacks(adapters: list[LoraWeights], args: ModelArgs, dtype, device) -> list[dict[str, torch.Tensor | None]]:
-    """Per layer, the step's stacked matrices (LayerLora's fields but mask),
-    adapter s in rows [s * R, (s + 1) * R), zero-padded to the largest rank R."""
+    """Per layer, the step's stacked matrices (LayerLora's fields but slots):
+    adapter s at index s, zero-padded to the largest rank R, B times its
+    adapter's scaling."""
     rank = max(a.rank for a in adapters)
-    width = len(adapters) * rank
     shapes = _shapes(args)
     targeted = set().union(*(a.targets for a in adapters))
 
     def a_stack(layer: int, module: str) -> torch.Tensor:
         d_in, _ = shapes[module]
-        out = torch.zeros(width, d_in, dtype=dtype, device=device)
+        out = torch.zeros(len(adapters), d_in, rank, dtype=dtype, device=device)
         for s, adapter in enumerate(adapters):
             pair = adapter.layers[layer].get(module)
             if pair is not None:
-                out[s * rank:s * rank + adapter.rank] = pair[0]
+                out[s, :, :adapter.rank] = pair[0].t()
         return out
 
     def b_stack(layer: int, module: str) -> torch.Tensor:
         _, d_out = shapes[module]
-        out = torch.zeros(d_out, width, dtype=dtype, device=device)
+        out = torch.zeros(len(adapters), rank, d_out, dtype=dtype, device=device)
         for s, adapter in enumerate(adapters):
             pair = adapter.layers[layer].get(module)
             if pair is not None:
-                out[:, s * rank:s * rank + adapter.rank] = pair[1]
+                out[s, :adapter.rank] = pair[1].t() * adapter.scaling
         return out
 
     def group(layer: int, modules: tuple[str, ...]) -> tuple:
         if not targeted & set(modules):
             return (None,) * (len(modules) + 1)
-        stacked_a = torch.cat([a_stack(layer, m) for m in modules]) if len(modules) > 1 else a_stack(layer, modules[0])
+        stacked_a = torch.cat([a_stack(layer, m) for m in modules], dim=2)
         return (stacked_a, *(b_stack(layer, m) for m in modules))
 
     stacks = []
@@ -302,6 +316,32 @@ def build_stacks(adapters: list[LoraWeights], args: ModelArgs, dtype, device) ->
         stacks.append(dict(zip(("qkv_a", "q_b", "k_b", "v_b"), qkv)) | dict(zip(("o_a", "o_b"), o))
                       | dict(zip(("gu_a", "g_b", "u_b"), gu)) | dict(zip(("d_a", "d_b"), d)))
     return stacks
+
+
+def step_slots(mix: tuple[int, ...], adapter_ids: list[int], num_tokens_of: list[int], dtype, device) -> StepSlots:
+    """The groups of a step whose i-th sequence runs adapter_ids[i] (0: the
+    base) over num_tokens_of[i] tokens, adapter mix[s] in group s."""
+    members: list[list[int]] = [[] for _ in mix]
+    base_rows: list[int] = []
+    row = 0
+    for adapter_id, n in zip(adapter_ids, num_tokens_of):
+        (members[mix.index(adapter_id)] if adapter_id else base_rows).extend(range(row, row + n))
+        row += n
+    capacity = max(len(rows) for rows in members)
+    gather: list[int] = []
+    back = [0] * row  # the base's tokens read slot 0, then keep zeroes it
+    for s, rows in enumerate(members):
+        for c, r in enumerate(rows):
+            back[r] = s * capacity + c
+        # unused slots repeat the group's first token (every group has one): computed, never read back
+        gather.extend(rows + [rows[0]] * (capacity - len(rows)))
+    keep = None
+    if base_rows:
+        keep = torch.ones(row, 1, dtype=dtype)
+        keep[base_rows] = 0
+        keep = keep.to(device)
+    return StepSlots(torch.tensor(gather, dtype=torch.long, device=device),
+                     torch.tensor(back, dtype=torch.long, device=device), keep)
 
 
 class AdapterSet:
@@ -333,14 +373,5 @@ class AdapterSet:
             raise RuntimeError(f"adapter {missing[0]} was unloaded while a sequence of it ran")
         if self._stacks is None or self._stacks[0] != mix:
             self._stacks = mix, build_stacks([self.adapters[a] for a in mix], self.args, self.dtype, self.device)
-        stacks = self._stacks[1]
-        rank = max(self.adapters[a].rank for a in mix)
-        mask = torch.zeros(sum(num_tokens_of), len(mix) * rank, dtype=self.dtype)
-        row = 0
-        for adapter_id, n in zip(adapter_ids, num_tokens_of):
-            if adapter_id:
-                s = mix.index(adapter_id)
-                mask[row:row + n, s * rank:(s + 1) * rank] = self.adapters[adapter_id].scaling
-            row += n
-        mask = mask.to(self.device)
-        return [LayerLora(mask=mask, **layer) for layer in stacks]
+        slots = step_slots(mix, adapter_ids, num_tokens_of, self.dtype, self.device)
+        return [LayerLora(slots, **layer) for layer in self._stacks[1]]

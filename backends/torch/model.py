@@ -114,7 +114,7 @@ class Attention(nn.Module):
         qkv = project(x, self.wqkv)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
-        delta = qkv_delta(lora, x, project) if lora is not None else None
+        delta = qkv_delta(lora, x) if lora is not None else None
         if delta is not None:
             qkv = qkv + delta
         # rotate q and k together: they are adjacent columns of qkv
@@ -142,7 +142,7 @@ class Attention(nn.Module):
         if batch.query_rows is not None:
             out = out.index_select(0, batch.query_rows)  # [T, dim], in token order
         result = project(out, self.wo)
-        delta = out_delta(lora, out, project) if lora is not None else None
+        delta = out_delta(lora, out) if lora is not None else None
         return result if delta is None else result + delta
 
 
@@ -155,12 +155,12 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor, project, lora: LayerLora | None = None) -> torch.Tensor:
         gate_up = project(x, self.w13)
-        delta = gate_up_delta(lora, x, project) if lora is not None else None
+        delta = gate_up_delta(lora, x) if lora is not None else None
         if delta is not None:
             gate_up = gate_up + delta
         hidden = F.silu(gate_up[:, :self.hidden]) * gate_up[:, self.hidden:]
         out = project(hidden, self.w2)
-        delta = down_delta(lora, hidden, project) if lora is not None else None
+        delta = down_delta(lora, hidden) if lora is not None else None
         return out if delta is None else out + delta
 
 
