@@ -11,13 +11,12 @@ empty folder:
   oras     the oras Python library's pull of the same tag into an empty folder
            (it writes what arrives and checks no digest)
 
-Each side keeps one client for every round, and each round ends by deleting
-what it pulled (the store's evict, oras's folder), inside the time.
-
 and reports MB/s of each (median over --rounds) and their ratio
 (goal: modeld >= 0.9x oras). The pull threads run at --nice (default 0,
 oras's own priority; the daemon runs them at 10, which on a busy machine
-yields the CPU to serving). Writes bench/results/store.json.
+yields the CPU to serving). Each side keeps one client for every round, and
+each round ends by deleting what it pulled (the store's evict, oras's
+folder), inside the time. Writes bench/results/store.json.
 
     .venv/bin/python bench/bench_store.py [--size 256] [--rounds 5]
 """
@@ -75,10 +74,7 @@ def main() -> int:
             oras_client = oras.client.OrasClient(hostname=registry.host, insecure=True)
             times: dict[str, list[float]] = {"modeld": [], "oras": []}
 
-            # One store for every round, as one oras client serves every round: each
-            # side keeps its HTTP client and connection pool, and each round starts
-            # from an empty cache (the store's evict deletes the files, as oras's
-            # side deletes its folder).
+            # one store, as one oras client: a new one a round would pay for a new HTTP client and pool
             store = ModelStore(StoreSettings(root / "cache", 1 << 40, settings))
 
             def pull_modeld(i: int) -> None:
