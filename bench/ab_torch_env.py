@@ -62,6 +62,7 @@ async def main() -> None:
 
     from bench_torch_vllm import MODEL, PROMPTS, repository
     from daemon import start_daemon
+    from racing import ratios, round_order
     from modeld.gen import generation_pb2 as g
     from modeld.gen import generation_pb2_grpc as gg
 
@@ -90,8 +91,7 @@ async def main() -> None:
 
         rates: dict[str, list[float]] = {side: [] for side in sides}
         for index in range(args.rounds + 1):
-            shift = index % len(sides)
-            for side in sides[shift:] + sides[:shift]:
+            for side in round_order(sides, index):
                 for other, daemon in daemons.items():
                     for proc in family(daemon.proc.pid):
                         proc.send_signal(signal.SIGCONT if other == side else signal.SIGSTOP)
@@ -104,9 +104,9 @@ async def main() -> None:
                     rates[side].append(rate)
                 print(f"round {index}{' (warm-up)' if not index else ''}: {side} {rate:.1f} tok/s", flush=True)
         for side in sides:
-            ratios = [a / b for a, b in zip(rates[side], rates[sides[0]])]
+            paired = ratios(rates[side], rates[sides[0]])
             print(f"{side}: median {statistics.median(rates[side]):.1f} tok/s, per-round ratio to {sides[0]} "
-                  f"median {statistics.median(ratios):.2f}x ({', '.join(f'{r:.2f}' for r in ratios)})")
+                  f"median {statistics.median(paired):.2f}x ({', '.join(f'{r:.2f}' for r in paired)})")
         for channel in channels.values():
             await channel.close()
     finally:
