@@ -19,6 +19,7 @@ class ErrorKind(Enum):
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     CANCELLED = "CANCELLED"
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
     INTERNAL = "INTERNAL"
 
 
@@ -61,6 +62,13 @@ class FailedPrecondition(ModeldError):
     kind = ErrorKind.FAILED_PRECONDITION
 
 
+class PermissionDenied(ModeldError):
+    """The caller's credentials do not cover what it asked for (a tenant's
+    token and a model outside its list)."""
+
+    kind = ErrorKind.PERMISSION_DENIED
+
+
 class LoadFailed(ModeldError):
     """A backend could not load a model; the engine may try the next one."""
 
@@ -78,7 +86,8 @@ class BackendFailure(ModeldError):
 
 
 _BY_KIND = {cls.kind: cls for cls in (ModeldError, InvalidArgument, NotFound, Unavailable, ResourceExhausted,
-                                      Unimplemented, Cancelled, DeadlineExceeded, FailedPrecondition)}
+                                      Unimplemented, Cancelled, DeadlineExceeded, FailedPrecondition,
+                                      PermissionDenied)}
 assert set(_BY_KIND) == set(ErrorKind), "every ErrorKind needs its class"
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 import grpc
 import structlog
 
+from modeld.backends.errors import InvalidArgument, ModeldError
 from modeld.server.tenants import (MAX_MODELS, ModelNotAllowed, Tenant, TenantLimits, TenantMetrics, Tenants,
                                    set_current)
 
@@ -481,7 +482,7 @@ def _tenant_handler(handler: grpc.RpcMethodHandler, tenant: Tenant, method: str)
     inner = _behaviour(handler)
     model_field = _MODEL_FIELD.get(method) if tenant.limits.models is not None else None
 
-    async def check(request, context) -> None:
+    async def check(request) -> None:
         if model_field is None:
             return
         if isinstance(request, bytes) and len(request) > _PEEK_IN_THREAD_BYTES:
@@ -489,22 +490,27 @@ def _tenant_handler(handler: grpc.RpcMethodHandler, tenant: Tenant, method: str)
         else:
             model = _model_of(request, model_field)
         if model is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _UNREADABLE)
-        try:
-            tenant.check_model(model)
-        except ModelNotAllowed as exc:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+            raise InvalidArgument(_UNREADABLE)
+        tenant.check_model(model)
 
-    async def checked(requests, context):
+    async def checked(requests):
+        # a refusal is raised to whoever reads the messages, not aborted here:
+        # ModelStreamInfer reads them in a task of its own, and an abort from
+        # it while the call's task writes an answer is a second operation grpc
+        # refuses (the call then hangs until its deadline). The handler ends
+        # the call with the error's status from the call's own task.
         async for request in requests:
-            await check(request, context)
+            await check(request)
             yield request
 
     async def start(request, context):
         set_current(tenant)
         if handler.request_streaming:
-            return inner(checked(request, context), context)
-        await check(request, context)
+            return inner(checked(request), context)
+        try:
+            await check(request)
+        except ModeldError as exc:
+            await context.abort(grpc.StatusCode[exc.kind.value], str(exc))
         return inner(request, context)
 
     if handler.response_streaming:

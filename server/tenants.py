@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from modeld.backends.errors import ResourceExhausted
+from modeld.backends.errors import PermissionDenied, ResourceExhausted
 
 log = structlog.get_logger("modeld.tenants")
 
@@ -67,7 +67,7 @@ class QuotaExceeded(ResourceExhausted):
         return str(max(1, math.ceil(self.retry_after_s)))
 
 
-class ModelNotAllowed(Exception):
+class ModelNotAllowed(PermissionDenied):
     """PERMISSION_DENIED / 403: the tenant's token does not cover this model."""
 
 

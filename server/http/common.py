@@ -24,6 +24,7 @@ from modeld.backends.errors import ErrorKind, InvalidArgument, ModeldError, Reso
 _STATUS_BY_KIND = {
     ErrorKind.INVALID_ARGUMENT: 400,
     ErrorKind.FAILED_PRECONDITION: 400,
+    ErrorKind.PERMISSION_DENIED: 403,
     ErrorKind.NOT_FOUND: 404,
     ErrorKind.RESOURCE_EXHAUSTED: 429,
     ErrorKind.CANCELLED: 499,

@@ -40,6 +40,7 @@ _ERROR_TYPE = {
     ErrorKind.UNIMPLEMENTED: "invalid_request_error",
     ErrorKind.RESOURCE_EXHAUSTED: "rate_limit_error",
     ErrorKind.FAILED_PRECONDITION: "invalid_request_error",
+    ErrorKind.PERMISSION_DENIED: "permission_error",
 }
 
 

@@ -24,6 +24,7 @@ from modeld.server.request_context import current_protocol, current_request_id
 EXPECTED = {
     ErrorKind.INVALID_ARGUMENT: 400,
     ErrorKind.FAILED_PRECONDITION: 400,
+    ErrorKind.PERMISSION_DENIED: 403,
     ErrorKind.NOT_FOUND: 404,
     ErrorKind.UNAVAILABLE: 503,
     ErrorKind.RESOURCE_EXHAUSTED: 429,

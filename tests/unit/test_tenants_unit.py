@@ -112,3 +112,49 @@ def test_a_tenant_s_streams_are_counted_while_they_run_and_refused_past_its_limi
 
     asyncio.run(main())
     assert tenant.tokens.level == pytest.approx(60 - 6, abs=0.1)  # six tokens charged as they streamed
+
+
+def test_a_refused_stream_message_is_raised_to_its_reader_and_never_aborted_from_it():
+    # ModelStreamInfer reads its messages in a task of its own; an abort from
+    # that task while the call's task writes an answer is refused by grpc and
+    # the call hangs, so the refusal must reach the reader as an exception
+    import asyncio
+
+    import grpc
+
+    from modeld.backends.errors import ErrorKind
+    from modeld.server.auth import _tenant_handler
+    from modeld.server.tenants import ModelNotAllowed, Tenant, TenantMetrics
+
+    tenant = Tenant("t", TenantLimits(models=frozenset({"allowed"})), TenantMetrics())
+    seen: list[str] = []
+
+    class Request:
+        def __init__(self, name):
+            self.model_name = name
+
+    class Context:
+        async def abort(self, *args, **kwargs):
+            raise AssertionError(f"aborted from the reader: {args}")
+
+    async def behaviour(requests, context):
+        async def read():
+            async for request in requests:
+                seen.append(request.model_name)
+        with pytest.raises(ModelNotAllowed) as caught:
+            await asyncio.get_running_loop().create_task(read())
+        assert caught.value.kind is ErrorKind.PERMISSION_DENIED
+        yield "ended"
+
+    async def messages():
+        for name in ("allowed", "other", "allowed"):
+            yield Request(name)
+
+    handler = _tenant_handler(grpc.stream_stream_rpc_method_handler(behaviour), tenant,
+                              "/inference.GRPCInferenceService/ModelStreamInfer")
+
+    async def main():
+        return [reply async for reply in handler.stream_stream(messages(), Context())]
+
+    assert asyncio.run(main()) == ["ended"]
+    assert seen == ["allowed"]
