@@ -43,3 +43,18 @@ def test_sample_rows_takes_the_whole_vocabulary_path_only_without_filters():
     assert truncates(SamplingParams(temperature=1.0, top_k=40, max_tokens=1), vocab)
     assert truncates(SamplingParams(temperature=1.0, top_p=0.9, max_tokens=1), vocab)
     assert truncates(SamplingParams(temperature=1.0, min_p=0.05, max_tokens=1), vocab)
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 7])
+def test_whole_vocabulary_draw_never_picks_a_masked_token_or_the_padding(vocab):
+    # a draw of (almost) 1 lands at the very end of the running sum, where the
+    # last tokens are masked (-inf) and the block has padding past the vocabulary
+    class Edge(np.random.Generator):
+        def random(self, *args, **kwargs):
+            return np.nextafter(1.0, 0.0)
+
+    logits = (np.random.default_rng(2).standard_normal(vocab) * 4).astype(np.float32)
+    logits[-3:] = -np.inf
+    assert draw_whole(logits, 1.0, Edge(np.random.PCG64(0))) == vocab - 4
+    logits[: vocab - 4] = -np.inf  # one token left to draw
+    assert draw_whole(logits, 0.8, np.random.default_rng(1)) == vocab - 4
