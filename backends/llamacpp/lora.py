@@ -320,12 +320,13 @@ class BaseShapes:
 
 
 def base_shapes(path: Path) -> BaseShapes:
-    """The base GGUF's architecture and tensor shapes (header only: the reader maps the file)."""
-    from gguf import GGUFReader
+    """The base GGUF's architecture and tensor shapes, from its header alone."""
+    from modeld.backends.gguf_header import GGUFHeader
 
-    reader = GGUFReader(str(path), "r")
-    return BaseShapes(_field_str(reader, "general.architecture"),
-                      {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors})
+    header = GGUFHeader(path)
+    architecture = header.get("general.architecture", "")
+    return BaseShapes(architecture if isinstance(architecture, str) else "",
+                      {t.name: t.shape for t in header.tensors})
 
 
 def _field_str(reader, key: str) -> str:

@@ -228,8 +228,9 @@ def load_tokenizer(config: ModelConfig, model_dir: Path):
     from transformers import AutoTokenizer
 
     if config.format is ModelFormat.GGUF:
-        path = (model_dir / config.artifact_path).resolve()
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        from modeld.backends.torch.tokenizer_cache import load_gguf_tokenizer
+
+        return load_gguf_tokenizer((model_dir / config.artifact_path).resolve())
     check_tokenizer_config(config.name, model_dir)  # its *_file keys name what transformers opens
     return AutoTokenizer.from_pretrained(str(model_dir))
 

@@ -79,14 +79,15 @@ def _rename(name: str, table: dict[str, str]) -> str | None:
     return table.get(name)
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None or not field.data:
-        return default
-    value = field.parts[field.data[0]]
-    if field.types and field.types[0].name == "STRING":
-        return bytes(value).decode("utf-8")
-    return value.tolist()[0] if hasattr(value, "tolist") else value
+def _header(path: Path):
+    from modeld.backends.gguf_header import GGUFHeader, GGUFHeaderError
+
+    try:
+        return GGUFHeader(path)
+    except GGUFHeaderError as exc:
+        raise LoadFailed(f"not a GGUF file {path.name}: {exc}") from exc
+    except OSError as exc:  # its message would name the machine's path
+        raise LoadFailed(f"cannot read {path.name}: {exc.strerror or type(exc).__name__}") from None
 
 
 def _unpermute(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -98,18 +99,14 @@ def _unpermute(weight: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def load_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:  # gguf raises ValueError, struct.error, ...
-        raise LoadFailed(f"not a GGUF file {path.name}: {exc}") from exc
-    arch = _field(reader, "general.architecture")
+    reader = _header(path)
+    arch = reader.get("general.architecture")
     if arch not in ("llama", "qwen2"):
         raise LoadFailed(f"the torch runtime serves llama and qwen2 architectures, not {arch!r}")
-    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
+    n_heads = int(reader.get(f"{arch}.attention.head_count"))
+    n_kv = int(reader.get(f"{arch}.attention.head_count_kv", n_heads))
     state = {}
     for tensor in reader.tensors:
         name = _rename(tensor.name, _GGUF_NAMES) or _rename(tensor.name.replace(".bias", ".weight"), _GGUF_NAMES)
@@ -117,23 +114,23 @@ def load_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
             continue
         if tensor.name.endswith(".bias"):
             name = name.replace(".weight", ".bias")
-        values = dequantize(tensor.data, tensor.tensor_type).reshape(list(reversed(tensor.shape.tolist())))
+        values = dequantize(reader.tensor_bytes(tensor), tensor.tensor_type).reshape(list(reversed(tensor.shape)))
         if arch == "llama" and ".attn_q." in tensor.name:
             values = _unpermute(values, n_heads)
         elif arch == "llama" and ".attn_k." in tensor.name:
             values = _unpermute(values, n_kv)
         state[name] = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy of the mmap
     embed = state["tok_embeddings.weight"]
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    eos = reader.get("tokenizer.ggml.eos_token_id")
+    eot = reader.get("tokenizer.ggml.eot_token_id")
     args = ModelArgs(
-        vocab_size=embed.shape[0], dim=embed.shape[1], n_layers=int(_field(reader, f"{arch}.block_count")),
-        n_heads=n_heads, n_kv_heads=n_kv, hidden_dim=int(_field(reader, f"{arch}.feed_forward_length")),
-        norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_seq_len=int(_field(reader, f"{arch}.context_length")),
+        vocab_size=embed.shape[0], dim=embed.shape[1], n_layers=int(reader.get(f"{arch}.block_count")),
+        n_heads=n_heads, n_kv_heads=n_kv, hidden_dim=int(reader.get(f"{arch}.feed_forward_length")),
+        norm_eps=float(reader.get(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(reader.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_seq_len=int(reader.get(f"{arch}.context_length")),
         tie_embeddings="output.weight" not in state,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=reader.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(int(t) for t in (eos, eot) if t is not None),
     )
     return args, state
@@ -149,15 +146,13 @@ class Footprint:
 
 
 def gguf_footprint(path: Path) -> Footprint:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    arch = _field(reader, "general.architecture")
-    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
-    dim = int(_field(reader, f"{arch}.embedding_length"))
-    return Footprint(num_params=sum(int(t.n_elements) for t in reader.tensors),
-                     n_layers=int(_field(reader, f"{arch}.block_count")), kv_width=n_kv * (dim // n_heads))
+    reader = _header(path)
+    arch = reader.get("general.architecture")
+    n_heads = int(reader.get(f"{arch}.attention.head_count"))
+    n_kv = int(reader.get(f"{arch}.attention.head_count_kv", n_heads))
+    dim = int(reader.get(f"{arch}.embedding_length"))
+    return Footprint(num_params=sum(t.n_elements for t in reader.tensors),
+                     n_layers=int(reader.get(f"{arch}.block_count")), kv_width=n_kv * (dim // n_heads))
 
 
 def safetensors_footprint(model_dir: Path) -> Footprint:
