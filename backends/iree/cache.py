@@ -87,16 +87,16 @@ class ModuleCache:
         return entry.module.is_file()
 
 
-def private_dir(folder: Path) -> Path:
+def private_dir(folder: Path, what: str = "IREE cache", setting: str = "iree_cache_dir") -> Path:
     """`folder`, created 0700 if missing; raises CacheDirUnsafe unless it is
     a real directory (no symlink) that this user owns and no one else may
     write (a looser one of ours is tightened)."""
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = folder.lstat()
     if not stat.S_ISDIR(info.st_mode):
-        raise CacheDirUnsafe(f"the IREE cache {folder.name!r} is not a directory (a symbolic link?)")
+        raise CacheDirUnsafe(f"the {what} {folder.name!r} is not a directory (a symbolic link?)")
     if info.st_uid != os.getuid():
-        raise CacheDirUnsafe(f"the IREE cache {folder.name!r} belongs to another user; set iree_cache_dir "
+        raise CacheDirUnsafe(f"the {what} {folder.name!r} belongs to another user; set {setting} "
                              "to a directory of the daemon's own")
     if info.st_mode & 0o077:
         os.chmod(folder, 0o700)

@@ -9,7 +9,9 @@ renders its chat template alike. The cache holds one folder per
 tokenizers versions that converted it, so a changed file or library is
 converted afresh. Folders are written under a temporary name and renamed
 into place, so a reader never sees half of one and two processes loading
-the same file at once both succeed.
+the same file at once both succeed. As with the IREE cache, the folder is
+created 0700 and used only while the daemon's user owns it: an entry's
+chat template and vocabulary decide what the model is asked and says.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import tempfile
 from pathlib import Path
 
 import structlog
+
+from modeld.backends.iree.cache import CacheDirUnsafe, private_dir
 
 log = structlog.get_logger("modeld.torch")
 
@@ -47,7 +51,12 @@ def cache_key(path: Path) -> str:
 def load_gguf_tokenizer(path: Path, cache_dir: Path | None = None):
     from transformers import AutoTokenizer
 
-    cache_dir = cache_dir or default_cache_dir()
+    try:
+        cache_dir = private_dir(cache_dir or default_cache_dir(), "tokenizer cache", CACHE_ENV)
+    except OSError as exc:  # CacheDirUnsafe or an unwritable disk: convert, as without a cache
+        log.warning("tokenizer_cache_unusable", reason=str(exc) if isinstance(exc, CacheDirUnsafe)
+                    else type(exc).__name__)
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     entry = cache_dir / cache_key(path)
     if (entry / _COMPLETE).is_file():
         try:
@@ -63,7 +72,6 @@ def load_gguf_tokenizer(path: Path, cache_dir: Path | None = None):
 def _store(tokenizer, cache_dir: Path, entry: Path) -> None:
     partial = None
     try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(prefix=".partial-", dir=cache_dir))
         tokenizer.save_pretrained(str(partial))
         (partial / _COMPLETE).write_text("")

@@ -52,3 +52,13 @@ def test_the_default_folder_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("MODELD_TOKENIZER_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert tokenizer_cache.default_cache_dir() == tmp_path / "xdg/modeld/tokenizers"
+
+
+def test_a_cache_folder_that_is_a_link_is_not_used(tmp_path):
+    # an entry decides the model's chat template and vocabulary: only a real
+    # folder of the daemon's own user is read or written
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "link").symlink_to(elsewhere)
+    assert load_gguf_tokenizer(GGUF, tmp_path / "link").encode("Hello world")
+    assert list(elsewhere.iterdir()) == []
