@@ -344,10 +344,9 @@ def _reference_logits(backend: str, ids: list[int]) -> tuple[np.ndarray, str]:
         finally:
             llm.close()
     import torch
-    from transformers import AutoModelForCausalLM
+    from hf_reference import reference_model
 
-    path = GGUF.resolve()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
+    model = reference_model(GGUF)
     with torch.inference_mode():
         logits = model(torch.tensor([ids])).logits[0].numpy()
     return logits, "transformers' LlamaForCausalLM on the same weights"

@@ -42,11 +42,9 @@ def runtime():
 @pytest.fixture(scope="module")
 def reference(runtime):
     """transformers' LlamaForCausalLM on the same GGUF: greedy continuations."""
-    from transformers import AutoModelForCausalLM
+    from hf_reference import reference_model
 
-    path = (MODELS / "smollm2-torch/model.gguf").resolve()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
-    model.eval()
+    model = reference_model(MODELS / "smollm2-torch/model.gguf")
     out = {}
     for prompt in PROMPTS + [LONG]:
         ids = runtime.tokenize(prompt)
