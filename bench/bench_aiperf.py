@@ -22,9 +22,10 @@ inter-token latency p50 (lower is better).
 
 --omp-wait-policy PASSIVE,ACTIVE races two modeld daemons in the same
 rounds, one per OpenMP wait policy of llama.cpp's compute threads
-(OMP_WAIT_POLICY, which modeld sets to PASSIVE unless the environment
-gives one): sides "modeld" (the first policy) and "modeld-ACTIVE", each
-against llama-server, and ACTIVE against PASSIVE.
+(OMP_WAIT_POLICY, which modeld sets unless the environment gives one):
+sides "modeld" (the first policy) and "modeld-ACTIVE", each against
+llama-server, and ACTIVE against PASSIVE. A policy may instead be
+`+`-joined KEY=VALUE environment entries (`GOMP_SPINCOUNT=0`).
 
     .venv/bin/python bench/bench_aiperf.py [--rounds 2] [--concurrency 8,32] [--placements unpinned,pinned] [--waves 2]
                                            [--omp-wait-policy PASSIVE[,ACTIVE]]
@@ -64,7 +65,7 @@ class ModeldHttp:
     def __init__(self, wait_policy: str = "") -> None:
         from daemon import start_daemon
 
-        env = {"OMP_WAIT_POLICY": wait_policy} if wait_policy else None
+        env = policy_env(wait_policy)
         self.daemon = start_daemon("--metrics-port", "-1", "--no-preload", repository=ROOT / "models", env=env)
         import tritonclient.grpc as tc
 
@@ -76,6 +77,15 @@ class ModeldHttp:
 
     def stop(self) -> None:
         self.daemon.stop()
+
+
+def policy_env(policy: str) -> dict | None:
+    """A side's environment: "" for modeld's own, a bare OMP_WAIT_POLICY value, or KEY=VALUE[+KEY=VALUE]."""
+    if not policy:
+        return None
+    if "=" in policy:
+        return dict(entry.split("=", 1) for entry in policy.split("+"))
+    return {"OMP_WAIT_POLICY": policy}
 
 
 def aiperf(url: str, concurrency: int, pinned: bool, artifacts: Path, waves: int) -> dict:
@@ -212,8 +222,8 @@ def main() -> None:
     placements = args.placements.split(",")
     before = machine()
     policies = args.omp_wait_policy.split(",") if args.omp_wait_policy else [""]
-    if any(p not in ("", "PASSIVE", "ACTIVE") for p in policies):
-        sys.exit(f"--omp-wait-policy takes PASSIVE and ACTIVE, got {args.omp_wait_policy!r}")
+    if any(p not in ("", "PASSIVE", "ACTIVE") and "=" not in p for p in policies):
+        sys.exit(f"--omp-wait-policy takes PASSIVE, ACTIVE and KEY=VALUE entries, got {args.omp_wait_policy!r}")
     runs = race(args.rounds, concurrencies, placements, args.waves, policies)
     summary = summarise(runs, concurrencies, placements, policies)
     record = {"command": "python bench/bench_aiperf.py " + " ".join(sys.argv[1:]), "harness": "aiperf",
@@ -221,7 +231,7 @@ def main() -> None:
                                                 "import importlib.metadata as m; print(m.version('aiperf'))"],
                                                capture_output=True, text=True).stdout.strip(),
               "machine": before, "load_average_after": list(os.getloadavg()),
-              "omp_wait_policy": {side: policy or "modeld's default (PASSIVE unless set)"
+              "omp_wait_policy": {side: policy or "modeld's default"
                                   for side, policy in zip(sides_of(policies), policies)},
               "input_tokens": INPUT_TOKENS, "output_tokens": OUTPUT_TOKENS, "rounds": runs, "summary": summary}
     path = Path(args.output)
