@@ -20,17 +20,34 @@ from modeld.backends.generation.slots import KvOpKind
 from modeld.backends.llamacpp.native_sampling import PickCounts, decode_picking, pick_items
 
 
+DEFAULT_SPIN_COUNT = 300
+
+
+def omp_defaults(environ) -> None:
+    """libgomp's wait settings for llama.cpp's compute threads, unless the user gave some.
+
+    ggml runs each llama_decode as one OpenMP parallel region (libgomp), and
+    every graph node ends at an OpenMP barrier (hundreds a decode). Unset,
+    libgomp spins about 300,000 turns (~3 ms) at each wait: between steps,
+    while Python samples, sends and encodes, the spinning team holds the
+    cores that work needs (under a harness on two cores the decode fell to
+    15 tok/s from 116). PASSIVE alone makes every barrier a futex sleep and
+    wake. A spin of 300 turns (a few microseconds) covers a barrier whose
+    partner is running and still sleeps at once when it is not: in
+    bench/ab_env.py on two cores, 8 streams, it ran 1.33x PASSIVE's tok/s
+    idle and 0.92x beside one busy process (1,000 turns: 1.53x and 0.82x;
+    10,000: 1.35x and 0.44x). libgomp reads both once, when the first
+    `_llama()` loads it; a value the user set for either is kept
+    (OMP_WAIT_POLICY=ACTIVE for a dedicated machine; GOMP_SPINCOUNT=0 for
+    pure PASSIVE), and GOMP_SPINCOUNT overrides the policy's spin.
+    """
+    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
+        environ["GOMP_SPINCOUNT"] = str(DEFAULT_SPIN_COUNT)
+    environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def _llama():
-    # ggml runs each llama_decode as one OpenMP parallel region (libgomp).
-    # Between regions libgomp's threads spin by default (GOMP_SPINCOUNT, about
-    # 300,000 turns) waiting for the next one: while Python samples, sends
-    # events and encodes them between steps, the spinning team holds the
-    # cores that work needs, and under a benchmark harness on two cores the
-    # decode fell to 15 tok/s from 116. PASSIVE: they sleep on a futex the
-    # moment a region ends (waking them costs microseconds a step). libgomp
-    # reads it once, when it is loaded by this import; a value the user set
-    # (OMP_WAIT_POLICY=ACTIVE for a dedicated machine) is kept.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    omp_defaults(os.environ)
     import llama_cpp
 
     return llama_cpp
