@@ -22,10 +22,12 @@ inter-token latency p50 (lower is better).
 
 --omp-wait-policy PASSIVE,ACTIVE races two modeld daemons in the same
 rounds, one per OpenMP wait policy of llama.cpp's compute threads
-(OMP_WAIT_POLICY, which modeld sets unless the environment gives one):
+(OMP_WAIT_POLICY; unless the environment gives it or GOMP_SPINCOUNT,
+modeld runs PASSIVE with a 300-turn spin):
 sides "modeld" (the first policy) and "modeld-ACTIVE", each against
 llama-server, and ACTIVE against PASSIVE. A policy may instead be
-`+`-joined KEY=VALUE environment entries (`GOMP_SPINCOUNT=0`).
+`+`-joined KEY=VALUE environment entries (`GOMP_SPINCOUNT=0`: pure
+PASSIVE), and an empty one is modeld's default (`,GOMP_SPINCOUNT=0`).
 
     .venv/bin/python bench/bench_aiperf.py [--rounds 2] [--concurrency 8,32] [--placements unpinned,pinned] [--waves 2]
                                            [--omp-wait-policy PASSIVE[,ACTIVE]]
