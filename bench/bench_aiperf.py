@@ -27,7 +27,9 @@ modeld runs PASSIVE with a 300-turn spin):
 sides "modeld" (the first policy) and "modeld-ACTIVE", each against
 llama-server, and ACTIVE against PASSIVE. A policy may instead be
 `+`-joined KEY=VALUE environment entries (`GOMP_SPINCOUNT=0`: pure
-PASSIVE), and an empty one is modeld's default (`,GOMP_SPINCOUNT=0`).
+PASSIVE), and an empty one is modeld's default (`,GOMP_SPINCOUNT=0`). An
+entry whose KEY has a dot sets an option of smollm2's model.toml for that
+side instead (`llamacpp.max_prefill_tokens=128`).
 
     .venv/bin/python bench/bench_aiperf.py [--rounds 2] [--concurrency 8,32] [--placements unpinned,pinned] [--waves 2]
                                            [--omp-wait-policy PASSIVE[,ACTIVE]]
@@ -67,8 +69,13 @@ class ModeldHttp:
     def __init__(self, wait_policy: str = "") -> None:
         from daemon import start_daemon
 
-        env = policy_env(wait_policy)
-        self.daemon = start_daemon("--metrics-port", "-1", "--no-preload", repository=ROOT / "models", env=env)
+        env, options = policy_env(wait_policy), model_options(wait_policy)
+        self.repository = None
+        repository = ROOT / "models"
+        if options:
+            self.repository = Path(tempfile.mkdtemp(prefix="modeld-aiperf-"))
+            repository = with_options(self.repository, options)
+        self.daemon = start_daemon("--metrics-port", "-1", "--no-preload", repository=repository, env=env)
         import tritonclient.grpc as tc
 
         client = tc.InferenceServerClient(self.daemon.address)
@@ -79,15 +86,58 @@ class ModeldHttp:
 
     def stop(self) -> None:
         self.daemon.stop()
+        if self.repository is not None:
+            shutil.rmtree(self.repository, ignore_errors=True)
+
+
+def _entries(policy: str) -> list[tuple[str, str]]:
+    if not policy:
+        return []
+    if "=" not in policy:
+        return [("OMP_WAIT_POLICY", policy)]
+    return [tuple(entry.split("=", 1)) for entry in policy.split("+")]
 
 
 def policy_env(policy: str) -> dict | None:
-    """A side's environment: "" for modeld's own, a bare OMP_WAIT_POLICY value, or KEY=VALUE[+KEY=VALUE]."""
-    if not policy:
-        return None
-    if "=" in policy:
-        return dict(entry.split("=", 1) for entry in policy.split("+"))
-    return {"OMP_WAIT_POLICY": policy}
+    """A side's environment: "" for modeld's own, a bare OMP_WAIT_POLICY value, or KEY=VALUE[+KEY=VALUE]
+    (a KEY with a dot is a model option instead, see model_options)."""
+    env = {key: value for key, value in _entries(policy) if "." not in key}
+    return env or None
+
+
+def model_options(policy: str) -> dict[tuple[str, str], str]:
+    """A side's smollm2 model.toml options: SECTION.KEY=VALUE entries (llamacpp.max_prefill_tokens=128)."""
+    return {tuple(key.split(".", 1)): value for key, value in _entries(policy) if "." in key}
+
+
+def with_options(folder: Path, options: dict[tuple[str, str], str]) -> Path:
+    """A repository in folder holding smollm2 (and its draft) with options set
+    in its model.toml; the other files are links to the shipped ones."""
+    import tomllib
+
+    for name in ("smollm2", "smollm2-draft"):
+        source, target = ROOT / "models" / name, folder / name
+        target.mkdir()
+        for item in source.iterdir():
+            if item.name != "model.toml":
+                (target / item.name).symlink_to(item.resolve())
+        lines, section = [], ""
+        for line in (source / "model.toml").read_text().splitlines():
+            stripped = line.strip()
+            if stripped.startswith("[") and stripped.endswith("]"):
+                section = stripped[1:-1]
+            key = stripped.split("=", 1)[0].strip() if "=" in stripped and not stripped.startswith("#") else ""
+            if name == "smollm2" and (section, key) in options:
+                line = f"{key} = {options[(section, key)]}"
+            lines.append(line)
+        text = "\n".join(lines) + "\n"
+        if name == "smollm2":
+            config = tomllib.loads(text)
+            for (section, key), value in options.items():
+                if str(config.get(section, {}).get(key)) != value:
+                    sys.exit(f"model option {section}.{key} is not in smollm2's model.toml")
+        (target / "model.toml").write_text(text)
+    return folder
 
 
 def aiperf(url: str, concurrency: int, pinned: bool, artifacts: Path, waves: int) -> dict:
