@@ -27,13 +27,14 @@ class SlotConfig:
     min_copy_tokens: int = 16
     admission: Admission | None = None  # None: continuous
     # Prompt tokens one step takes, across every prompt in it (decodes are
-    # not counted); None: max_step_tokens. On a CPU, prompt work is bound
-    # by arithmetic and gains nothing from a larger batch (measured here: 256
-    # prompt tokens in one llama_decode or in chunks of 32 took the same
-    # 1.0-1.3 s, and 7 short prompts batched took as long as one by one).
-    # Smaller steps let prompts that arrive together get their first tokens
-    # one after another rather than all at the end of one long step, and
-    # keep running sequences decoding between the chunks of a long prompt.
+    # not counted); None: max_step_tokens. On a CPU a prompt token costs
+    # about the same in a batch of 256 or in chunks of 32 (one llama_decode
+    # or eight: 1.0-1.3 s either way), but every step has a cost of its own
+    # (a graph, its barriers, sampling and sending each running stream's
+    # token), so under steady arrivals whole prompts in fewer steps serve
+    # more tok/s. Smaller chunks let prompts that arrive together get their
+    # first tokens one after another, and keep running sequences decoding
+    # between the chunks of a long prompt.
     max_prefill_tokens: int | None = None
 
 
