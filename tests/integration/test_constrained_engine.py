@@ -235,7 +235,7 @@ def test_n_identical_prompts_compute_the_prompt_once(model):
         results = await asyncio.gather(*runs)
         computed = model.loop.step_counts.prompt_tokens - before
         again = [await _generate(model, messages=messages, max_tokens=8, temperature=0.8, seed=100 + i)
-                 for i in range(2)]
+                 for i in (1, 2)]
         return computed, results, again
     computed, results, again = _run(model, go)
     prompt = results[0][2].usage.prompt_tokens
@@ -243,8 +243,11 @@ def test_n_identical_prompts_compute_the_prompt_once(model):
     # the first computes it whole; the other three only what the cache cannot share (less than a block)
     assert prompt <= computed < prompt + 3 * 16, (computed, prompt)
     assert sum(r[2].usage.cached_prompt_tokens for r in results) >= 3 * (prompt - 16)
-    # seeded choices are reproducible, whichever of them computed the prompt
-    assert [r[0] for r in results[:2]] == [a[0] for a in again]
+    # seeded choices that took the prompt from the cache repeat, alone or
+    # together. (The one that computed it is left out: llama.cpp's kernels
+    # for a step of many tokens round differently from a step of a few, so
+    # its first logits differ in the last bits from a cache hit's.)
+    assert [r[0] for r in results[1:3]] == [a[0] for a in again]
 
 
 def _raw_logits(model, ids: list[int]) -> np.ndarray:
