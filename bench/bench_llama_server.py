@@ -24,7 +24,7 @@ the other's threads still polling for work.
 
     .venv/bin/python bench/bench_llama_server.py [--rounds 5]
 
-Writes bench/results/llama_server.json and llama_server.png.
+Writes bench/results/llama_server.json and llama_server.png (--output: elsewhere).
 """
 
 from __future__ import annotations
@@ -331,6 +331,8 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--output", default=str(RESULTS / "llama_server.json"),
+                        help="the record; its chart goes beside it as .png")
     args = parser.parse_args()
     if not (PEER_BIN / "llama-server").exists():
         sys.exit("llama-server is not built: run `bash bench/peers/llama_server.sh` (or `make bench`)")
@@ -340,9 +342,10 @@ def main() -> None:
     record = {"command": f"python bench/bench_llama_server.py --rounds {args.rounds}", "machine": before,
               "load_average_after": list(os.getloadavg()), "new_tokens": NEW_TOKENS, "threads": THREADS,
               "race": race_record, "summary": summary}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "llama_server.json").write_text(json.dumps(record, indent=2))
-    chart(record, RESULTS / "llama_server.png")
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(record, indent=2))
+    chart(record, output.with_suffix(".png"))
     for name, g in summary["goals"].items():
         print(f"{name}: {g['ratio']:.2f}x (goal {g['goal']}: {'met' if g['met'] else 'missed'})")
     for side, parts in summary["single_cpu_ms_per_token"].items():
