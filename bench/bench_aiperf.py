@@ -112,31 +112,28 @@ def model_options(policy: str) -> dict[tuple[str, str], str]:
 
 def with_options(folder: Path, options: dict[tuple[str, str], str]) -> Path:
     """A repository in folder holding smollm2 (and its draft) with options set
-    in its model.toml; the other files are links to the shipped ones."""
+    in smollm2's model.toml; every other file is a link to the shipped one."""
     import tomllib
 
     for name in ("smollm2", "smollm2-draft"):
         source, target = ROOT / "models" / name, folder / name
         target.mkdir()
         for item in source.iterdir():
-            if item.name != "model.toml":
+            if item.name != "model.toml" or name != "smollm2":
                 (target / item.name).symlink_to(item.resolve())
-        lines, section = [], ""
-        for line in (source / "model.toml").read_text().splitlines():
-            stripped = line.strip()
-            if stripped.startswith("[") and stripped.endswith("]"):
-                section = stripped[1:-1]
-            key = stripped.split("=", 1)[0].strip() if "=" in stripped and not stripped.startswith("#") else ""
-            if name == "smollm2" and (section, key) in options:
-                line = f"{key} = {options[(section, key)]}"
-            lines.append(line)
-        text = "\n".join(lines) + "\n"
-        if name == "smollm2":
-            config = tomllib.loads(text)
-            for (section, key), value in options.items():
-                if str(config.get(section, {}).get(key)) != value:
-                    sys.exit(f"model option {section}.{key} is not in smollm2's model.toml")
-        (target / "model.toml").write_text(text)
+    lines, section = [], ""
+    for line in (ROOT / "models/smollm2/model.toml").read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("[") and stripped.endswith("]"):
+            section = stripped[1:-1]
+        key = stripped.split("=", 1)[0].strip() if "=" in stripped and not stripped.startswith("#") else ""
+        lines.append(f"{key} = {options[(section, key)]}" if (section, key) in options else line)
+    text = "\n".join(lines) + "\n"
+    config = tomllib.loads(text)
+    for (section, key), value in options.items():
+        if config.get(section, {}).get(key) != tomllib.loads(f"v = {value}")["v"]:
+            sys.exit(f"model option {section}.{key} is not in smollm2's model.toml")
+    (folder / "smollm2/model.toml").write_text(text)
     return folder
 
 

@@ -339,7 +339,7 @@ def main() -> None:
     before = machine()
     race_record = asyncio.run(race(args.rounds))
     summary = summarise(race_record["rounds"])
-    record = {"command": f"python bench/bench_llama_server.py --rounds {args.rounds}", "machine": before,
+    record = {"command": "python bench/bench_llama_server.py " + " ".join(sys.argv[1:]), "machine": before,
               "load_average_after": list(os.getloadavg()), "new_tokens": NEW_TOKENS, "threads": THREADS,
               "race": race_record, "summary": summary}
     output = Path(args.output)
