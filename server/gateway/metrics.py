@@ -12,7 +12,7 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.picks = Counter("modeld_gateway_picks", "Calls sent to a node, by why it was chosen "
-                             "(ring, p2c, spill, prefix, update, any)", ["node", "reason"], registry=r)
+                             "(ring, p2c, spill, prefix, kv, update, any, hedge)", ["node", "reason"], registry=r)
         self.calls = Counter("modeld_gateway_calls", "Calls answered, by method and gRPC status",
                              ["method", "status"], registry=r)
         self.latency = Histogram("modeld_gateway_call_seconds", "Call latency through the gateway",
@@ -33,5 +33,9 @@ class GatewayMetrics:
         self.serving = Gauge("modeld_gateway_node_serving", "1 while the node's health says SERVING",
                              ["node"], registry=r)
         self.nodes = Gauge("modeld_gateway_nodes", "Nodes known to the gateway", registry=r)
+        self.kv_models = Gauge("modeld_gateway_node_kv_models", "Models whose prefix-cache blocks the node "
+                               "publishes to the gateway (KV-aware routing)", ["node"], registry=r)
+        self.kv_blocks = Gauge("modeld_gateway_node_kv_blocks", "Prefix-cache blocks the gateway's index holds "
+                               "for the node", ["node"], registry=r)
         self.admitted = Gauge("modeld_gateway_node_admitted", "1 once the node proved it holds the fleet token "
                               "(or no proof is asked: TLS to the nodes, or no token)", ["node"], registry=r)

@@ -95,6 +95,8 @@ class Node:
         self.pulling: dict[str, tuple[int, int]] = {}  # model -> (bytes done, total) while the node pulls it
         self._pull_waits: frozenset[str] = frozenset()  # of those, models whose calls wait for it (while_pulling)
         self.kv = NodeKvIndex()  # its prefix caches, from its WatchKvEvents stream
+        self._kv_models_gauge = metrics.kv_models.labels(self.address)
+        self._kv_blocks_gauge = metrics.kv_blocks.labels(self.address)
         self.kv_active_blocks = 0  # prompt blocks of the KV-routed generations this gateway has open here
         self.calls: set[asyncio.Task] = set()   # tasks awaiting a unary call here
         # tasks awaiting a fan-out (a load or unload sent to every replica):
@@ -316,6 +318,7 @@ class Node:
             try:
                 async for events in call:
                     self.kv.apply(events)
+                    self._count_kv()
                     backoff = 0.1
             except KvEventError as exc:
                 why = f"garbage on its KV event stream: {exc}"
@@ -332,8 +335,13 @@ class Node:
                     log.info("node_kv_index_dropped", node=self.name, address=self.address, reason=why,
                              num_blocks=self.kv.num_hashes)
                 self.kv.clear()
+                self._count_kv()
             await asyncio.sleep(backoff)
             backoff = min(max(backoff * 2, 0.1), max(backoff, KV_RETRY_MAX_S))
+
+    def _count_kv(self) -> None:
+        self._kv_models_gauge.set(len(self.kv.models))
+        self._kv_blocks_gauge.set(self.kv.num_hashes)
 
     async def _poll_stats(self) -> None:
         """Stats on a short deadline: the load figures routing reads, and the

@@ -99,8 +99,16 @@ class KvWatch:
         models, changes = [], 0
         for name, view in views.items():
             before = self._sent.get(name)
-            if before is None or before.identity != view.identity or before.block_size != view.block_size:
+            if before is None:
+                # Nothing to clear; sent even with an empty cache, so the
+                # gateway routes the model's first prompt on its blocks.
+                models.append(_model_events(view, sorted(view.hashes), ()))
+                changes += len(view.hashes)
+                continue
+            if before.identity != view.identity or before.block_size != view.block_size:
                 models.append(_model_events(view, sorted(view.hashes), (), cleared=True))
+                if not view.hashes:  # a bare clear unloads it; say the empty cache is still there
+                    models.append(_model_events(view, (), ()))
                 changes += len(view.hashes)
                 continue
             stored, removed = view.hashes - before.hashes, before.hashes - view.hashes

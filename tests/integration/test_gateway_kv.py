@@ -46,9 +46,12 @@ def kv_fleet(tmp_path_factory):
     homes = wait_until(lambda: [d for d in daemons if _holds_model(d)][1:] and
                        [d for d in daemons if _holds_model(d)], 30, "both homes holding the model")
     state["homes"] = homes
-    # each home publishes the model's cache (the gateway's own stream takes it within 50 ms)
+    # each home publishes the model's cache, and the gateway's index has taken it: from then
+    # on every prompt of the model is routed on the daemons' blocks, the first turn included
     for home in homes:
         wait_until(lambda: _publishes_model(home), 30, "the home's KV event stream")
+        wait_until(lambda: metric_sum(gateway, "modeld_gateway_node_kv_models", node=home.address) >= 1, 30,
+                   "the gateway's KV index holding the home's model")
     yield state
     for process in [state["gateway"], *state["daemons"]]:
         if process.proc.poll() is None:
@@ -106,7 +109,7 @@ def test_a_conversation_stays_on_the_node_holding_its_blocks(kv_fleet):
     assert all(len(w) == 1 for w in where), where
     assert len(set.union(*where)) == 1, where  # one node took every turn
     assert cached[1] > 100 and cached[2] > cached[1], cached
-    assert _kv_picks(gateway) - picks_before >= 2  # every turn after the first, on the daemons' events
+    assert _kv_picks(gateway) - picks_before == 3  # every turn, on the daemons' events
     kv_fleet["holder"] = next(iter(where[0]))
 
 

@@ -78,6 +78,22 @@ def test_a_watch_sends_a_snapshot_then_differences_and_a_reload_clears():
     assert "llm" not in index.models
 
 
+def test_a_model_loaded_with_an_empty_cache_is_known_to_the_gateway_until_unloaded():
+    watch, index = KvWatch(), NodeKvIndex()
+    index.apply(watch.message({}))  # the snapshot: nothing loaded yet
+    loaded = watch.message({"llm": _view(set())})
+    assert not loaded.snapshot and not loaded.models[0].cleared and not loaded.models[0].stored
+    index.apply(loaded)
+    assert "llm" in index.models and index.num_blocks("llm") == 0  # routed on blocks from its first prompt
+    index.apply(watch.message({"llm": _view({4})}))
+    reloaded = watch.message({"llm": _view(set(), identity=2)})  # a new, empty cache
+    assert reloaded.models[0].cleared and not reloaded.models[1].cleared
+    index.apply(reloaded)
+    assert "llm" in index.models and index.num_blocks("llm") == 0
+    index.apply(watch.message({}))
+    assert "llm" not in index.models
+
+
 def test_a_difference_larger_than_the_cache_goes_as_a_snapshot():
     watch = KvWatch()
     watch.message({"llm": _view(range(0, 1000))})
