@@ -22,7 +22,13 @@ Ratios are per round (modeld / llama-server), reported as medians. Each
 side starts once both servers are idle (racing.settle), so no side pays for
 the other's threads still polling for work.
 
-    .venv/bin/python bench/bench_llama_server.py [--rounds 5]
+--protocol http races the two servers' OpenAI `/v1/completions` instead,
+streamed by the same blocking client code (requests, one thread a stream):
+the comparison a user of either's OpenAI API makes. The default (grpc)
+streams modeld's Generate and llama-server's native /completion. The
+ceiling's gRPC rows are timed either way.
+
+    .venv/bin/python bench/bench_llama_server.py [--rounds 5] [--protocol grpc|http]
 
 Writes bench/results/llama_server.json and llama_server.png (--output: elsewhere).
 """
@@ -101,6 +107,29 @@ class LlamaServer:
             self.proc.kill()
 
 
+def openai_stream(url: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed OpenAI completion (`/v1/completions`), the same client
+    code for both servers: greedy, `max_tokens` forced by ignore_eos, the
+    count of tokens from the usage chunk."""
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    start, first, tokens = time.perf_counter(), None, 0
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if first is None and any(c.get("text") for c in event.get("choices") or ()):
+                first = time.perf_counter()
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    if first is None or tokens != max_tokens:
+        raise RuntimeError(f"{url}: {tokens} tokens streamed, {max_tokens} asked for")
+    return {"ttft": first - start, "tokens": tokens, "decode_s": end - first, "total_s": end - start}
+
+
 def _rate(r: dict) -> float:
     return (r["tokens"] - 1) / r["decode_s"]
 
@@ -115,16 +144,24 @@ def _single(results: list[dict]) -> dict:
             "ttft_s": statistics.median(r["ttft"] for r in results)}
 
 
-def run_peer(peer: LlamaServer) -> dict:
-    peer.stream("Warm up.", 8)
-    with CpuPerToken(peer.proc.pid) as cpu:
-        single = _single(cpu.count([peer.stream(p, NEW_TOKENS) for p in PROMPTS[:3]]))
+def run_blocking(stream, pid: int) -> dict:
+    """The phases with a blocking client (`stream(prompt, max_tokens)`), 8
+    streams on 8 threads; CPU of the process tree `pid`."""
+    stream("Warm up.", 8)
+    with CpuPerToken(pid) as cpu:
+        single = _single(cpu.count([stream(p, NEW_TOKENS) for p in PROMPTS[:3]]))
     single["cpu_ms_per_token"] = cpu.figures
-    fresh = _burst(*concurrent_threads(lambda p: peer.stream(p, NEW_TOKENS), PROMPTS))
+    fresh = _burst(*concurrent_threads(lambda p: stream(p, NEW_TOKENS), PROMPTS))
     for prompt in UNRELATED:
-        peer.stream(prompt, 32)
-    warm = _burst(*concurrent_threads(lambda p: peer.stream(p, NEW_TOKENS), PROMPTS))
+        stream(prompt, 32)
+    warm = _burst(*concurrent_threads(lambda p: stream(p, NEW_TOKENS), PROMPTS))
     return {"single": single, "fresh": fresh, "warm": warm}
+
+
+def run_peer(peer: LlamaServer, protocol: str) -> dict:
+    if protocol == "http":
+        return run_blocking(lambda p, n: openai_stream(peer.url, p, n), peer.proc.pid)
+    return run_blocking(peer.stream, peer.proc.pid)
 
 
 async def run_modeld(node: Modeld) -> dict:
@@ -185,7 +222,7 @@ def grpc_ceiling(rate: float, sequences: int = 1) -> dict:
 SIDES = ["modeld", "llama-server", "ceiling"]
 
 
-async def race(rounds: int) -> dict:
+async def race(rounds: int, protocol: str) -> dict:
     runs = []
     for r in range(rounds):
         node, peer = Modeld("--no-preload"), LlamaServer()
@@ -199,9 +236,11 @@ async def race(rounds: int) -> dict:
                 # llama.cpp's threads poll for work a while after their last step, on both sides
                 settled[side] = round(settle([node.daemon.proc.pid, peer.proc.pid]), 2)
                 if side == "modeld":
-                    got[side] = await run_modeld(node)
+                    got[side] = (await run_modeld(node) if protocol == "grpc" else
+                                 run_blocking(lambda p, n: openai_stream(node.daemon.http_url, p, n),
+                                              node.daemon.proc.pid))
                 elif side == "llama-server":
-                    got[side] = run_peer(peer)
+                    got[side] = run_peer(peer, protocol)
                 else:
                     got[side] = batched_bench()
                     got["ceiling_grpc"] = grpc_ceiling(got[side][1]["decode_tok_s"])
@@ -220,7 +259,7 @@ async def race(rounds: int) -> dict:
               f"1 seq beside a gRPC stream {got['ceiling_grpc']['decode_tok_s']:.1f}, "
               f"8 seq beside 8 {got['ceiling_grpc8']['decode_tok_s']:.1f}",
               flush=True)
-    return {"rounds": runs}
+    return {"protocol": protocol, "rounds": runs}
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -331,13 +370,16 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--protocol", choices=["grpc", "http"], default="grpc",
+                        help="grpc: modeld's Generate against llama-server's /completion (each its native "
+                             "stream); http: both servers' OpenAI /v1/completions, streamed by the same client")
     parser.add_argument("--output", default=str(RESULTS / "llama_server.json"),
                         help="the record; its chart goes beside it as .png")
     args = parser.parse_args()
     if not (PEER_BIN / "llama-server").exists():
         sys.exit("llama-server is not built: run `bash bench/peers/llama_server.sh` (or `make bench`)")
     before = machine()
-    race_record = asyncio.run(race(args.rounds))
+    race_record = asyncio.run(race(args.rounds, args.protocol))
     summary = summarise(race_record["rounds"])
     record = {"command": "python bench/bench_llama_server.py " + " ".join(sys.argv[1:]), "machine": before,
               "load_average_after": list(os.getloadavg()), "new_tokens": NEW_TOKENS, "threads": THREADS,

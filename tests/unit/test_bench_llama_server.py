@@ -63,3 +63,55 @@ def test_eight_streams_are_set_against_the_decode_beside_eight_grpc_streams():
     # 95/100, 99/90, 120/96
     assert summary["grpc8_ceiling_over_peer_fresh"] == pytest.approx(1.1)
     assert summary["grpc8_stream_cpu_ms_per_message"] == {"server": 0.2, "client": 0.25}
+
+
+class _Sse:
+    """A loopback server answering /v1/completions with the given SSE lines."""
+
+    def __init__(self, lines: list[bytes]) -> None:
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                self.rfile.read(int(self.headers["content-length"]))
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.end_headers()
+                for line in lines:
+                    self.wfile.write(line + b"\n\n")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _chunk(text: str, usage: dict | None = None) -> bytes:
+    import json
+
+    return b"data: " + json.dumps({"choices": [{"index": 0, "text": text}] if text else [], "usage": usage}).encode()
+
+
+def test_openai_stream_counts_tokens_from_the_usage_chunk():
+    lines = [_chunk(""), _chunk("Hel"), _chunk("lo"), _chunk("", {"completion_tokens": 2}), b"data: [DONE]"]
+    with _Sse(lines) as server:
+        got = bench.openai_stream(server.url, "Hi", 2)
+    assert got["tokens"] == 2
+    assert 0 <= got["ttft"] <= got["total_s"] and got["decode_s"] >= 0
+
+
+def test_openai_stream_refuses_a_stream_shorter_than_asked():
+    lines = [_chunk("Hel"), _chunk("", {"completion_tokens": 1}), b"data: [DONE]"]
+    with _Sse(lines) as server, pytest.raises(RuntimeError, match="1 tokens streamed, 2 asked for"):
+        bench.openai_stream(server.url, "Hi", 2)
