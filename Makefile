@@ -111,6 +111,9 @@ bench: models vllm-env infinity-env llama-peer aiperf-env $(HF_SMOLLM2)
 		echo "== bench/bench_$$b.py ($$(date -u +%H:%M:%S))"; \
 		$(BIN)/python bench/bench_$$b.py || failed="$$failed bench_$$b.py"; \
 	done; \
+	echo "== bench/bench_llama_server.py --protocol http ($$(date -u +%H:%M:%S))"; \
+	$(BIN)/python bench/bench_llama_server.py --protocol http --output bench/results/llama_server_http.json \
+		|| failed="$$failed bench_llama_server.py--protocol-http"; \
 	if [ -n "$$failed" ]; then echo "make bench: failed:$$failed"; exit 1; fi; echo "make bench: all passed"
 
 proto: $(STAMP)
