@@ -158,12 +158,6 @@ def run_blocking(stream, pid: int) -> dict:
     return {"single": single, "fresh": fresh, "warm": warm}
 
 
-def run_peer(peer: LlamaServer, protocol: str) -> dict:
-    if protocol == "http":
-        return run_blocking(lambda p, n: openai_stream(peer.url, p, n), peer.proc.pid)
-    return run_blocking(peer.stream, peer.proc.pid)
-
-
 async def run_modeld(node: Modeld) -> dict:
     await node.stream("Warm up.", 8)
     # prefixes kept, as by default and as llama-server does (cache_prompt)
@@ -235,12 +229,14 @@ async def race(rounds: int, protocol: str) -> dict:
             for side in round_order(SIDES, r):
                 # llama.cpp's threads poll for work a while after their last step, on both sides
                 settled[side] = round(settle([node.daemon.proc.pid, peer.proc.pid]), 2)
-                if side == "modeld":
-                    got[side] = (await run_modeld(node) if protocol == "grpc" else
-                                 run_blocking(lambda p, n: openai_stream(node.daemon.http_url, p, n),
-                                              node.daemon.proc.pid))
+                if side == "modeld" and protocol == "grpc":
+                    got[side] = await run_modeld(node)
+                elif side == "modeld":
+                    got[side] = run_blocking(lambda p, n: openai_stream(node.daemon.http_url, p, n),
+                                             node.daemon.proc.pid)
                 elif side == "llama-server":
-                    got[side] = run_peer(peer, protocol)
+                    got[side] = run_blocking(peer.stream if protocol == "grpc" else
+                                             lambda p, n: openai_stream(peer.url, p, n), peer.proc.pid)
                 else:
                     got[side] = batched_bench()
                     got["ceiling_grpc"] = grpc_ceiling(got[side][1]["decode_tok_s"])
