@@ -14,15 +14,19 @@ Three parts (all by default; `--only unit`, `--only daemon` or `--only sampling`
   daemon  a real `modeld serve` with SmolLM2 (llama.cpp, in its worker
           process) and N concurrent OpenAI chat streams (1, 8, 32;
           ignore_eos, greedy, --tokens each). Each thread's CPU comes from
-          /proc/<pid>/task/<tid>/stat before and after, by process (daemon,
-          worker) and thread: Python threads (named by `py-spy dump`),
-          native helper threads (gRPC's), and the worker's compute threads
-          (llama.cpp's OpenMP team, excluded from the Python figure). The
-          worker's step thread is also OpenMP's first compute thread, so
-          its CPU is split by a py-spy profile of a second run of the same
-          phase: the share of its busy samples inside llama_decode is
-          compute, the rest Python. That profile (every Python thread of
-          both processes, by function) is where the Python time goes.
+          /proc/<pid>/task/<tid>/schedstat (nanoseconds) before and after,
+          by process (daemon, worker) and thread: Python threads (named by
+          `py-spy dump`), native helper threads (gRPC's), and the worker's
+          compute threads (llama.cpp's OpenMP team, excluded from the
+          Python figure). The worker's step thread is also OpenMP's first
+          compute thread, so its CPU is split by `perf record` on its task
+          clock in a second run of the same phase: the share of its on-CPU
+          samples with llama.cpp's libraries in the stack is compute (its
+          sampler chain included), the rest Python (py-spy's busy share
+          where perf is missing). A py-spy profile of every Python thread
+          of both processes, by function, shows where the Python time goes.
+          --before TREE races an earlier checkout of modeld (its packages
+          on PYTHONPATH, its models/ settings) in the same rounds.
 
   sampling  one sampled row of SmolLM2's real logits (8 rows a decode, at
           OpenAI's default temperature 1 over the whole vocabulary and at
@@ -31,11 +35,11 @@ Three parts (all by default; `--only unit`, `--only daemon` or `--only sampling`
           llama.cpp's sampler chain in its buffer (native_sampling).
 
   --temperature none sends the daemon's streams without a temperature, as
-  aiperf does (OpenAI's default 1: sampled over the whole vocabulary, on
-  llama.cpp's sampler chain); --temperature 0, the default, is greedy.
+  aiperf does (OpenAI's default 1: sampled over the whole vocabulary, in
+  numpy); --temperature 0, the default, is greedy.
 
     .venv/bin/python bench/bench_token_cpu.py [--only unit|daemon] [--streams 1,8,32] [--tokens 64]
-                                              [--temperature 0|none|T]
+                                              [--temperature 0|none|T] [--before TREE]
 
 Writes bench/results/token_cpu.json.
 """
@@ -47,6 +51,7 @@ import asyncio
 import collections
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -61,7 +66,6 @@ from racing import machine, settle  # noqa: E402
 
 RESULTS = ROOT / "bench/results"
 PY_SPY = Path(sys.executable).parent / "py-spy"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 SMOLLM2_VOCAB = 49152
 PROMPTS = [
     "Write a short story about a lighthouse keeper.", "Explain how a bicycle gear works.",
@@ -193,7 +197,10 @@ def tree_pids(pid: int) -> list[int]:
 
 
 def thread_cpu(pids: list[int]) -> dict[tuple[int, int], float]:
-    """(pid, tid) -> user + system CPU seconds of every thread of pids."""
+    """(pid, tid) -> CPU seconds of every thread of pids, from the
+    scheduler's nanosecond run time (/proc/.../schedstat); /proc/.../stat
+    counts in 10 ms ticks, which at 32 tokens a stream reads in steps of
+    0.3 ms a token."""
     out = {}
     for pid in pids:
         try:
@@ -202,11 +209,10 @@ def thread_cpu(pids: list[int]) -> dict[tuple[int, int], float]:
             continue
         for tid in tids:
             try:
-                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-            except (FileNotFoundError, ProcessLookupError):
+                ran = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]
+            except (FileNotFoundError, ProcessLookupError, IndexError):
                 continue
-            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-            out[(pid, int(tid))] = (int(fields[11]) + int(fields[12])) / CLK_TCK
+            out[(pid, int(tid))] = int(ran) / 1e9
     return out
 
 
@@ -227,12 +233,22 @@ def python_threads(pid: int) -> dict[int, str]:
 
 
 class Daemon:
-    """modeld serve with smollm2 loaded (in its worker process)."""
+    """modeld serve with smollm2 loaded (in its worker process); with
+    `tree`, an earlier checkout of modeld (--before) runs it instead: its
+    packages on PYTHONPATH ahead of the installed ones, its own models/
+    (the artifacts `modeld prepare` made here linked in)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tree: Path | None = None) -> None:
         from daemon import start_daemon
 
-        self.daemon = start_daemon("--metrics-port", "-1", "--no-preload", repository=ROOT / "models")
+        self.label = "after" if tree is None else "before"
+        self._tmp = None
+        env, repository = None, ROOT / "models"
+        if tree is not None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="modeld-before-")
+            env = {"PYTHONPATH": _namespace(tree.resolve(), Path(self._tmp.name))}
+            repository = _linked_models(tree.resolve(), Path(self._tmp.name))
+        self.daemon = start_daemon("--metrics-port", "-1", "--no-preload", repository=repository, env=env)
         import tritonclient.grpc as tc
 
         client = tc.InferenceServerClient(self.daemon.address)
@@ -246,6 +262,34 @@ class Daemon:
 
     def stop(self) -> None:
         self.daemon.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+def _namespace(tree: Path, tmp: Path) -> str:
+    """A `modeld` namespace whose packages are tree's folders (as setuptools'
+    package-dir maps ours), for PYTHONPATH; the installed editable finder
+    comes after PYTHONPATH, so these win."""
+    ns = tmp / "path" / "modeld"
+    ns.mkdir(parents=True)
+    for name in ("server", "backends", "clients", "gen"):
+        (ns / name).symlink_to(tree / name)
+    return str(ns.parent)
+
+
+def _linked_models(tree: Path, tmp: Path) -> Path:
+    """tree's smollm2 entries (its model.toml: the settings it shipped with),
+    their artifacts linked from ours."""
+    out = tmp / "models"
+    for name in ("smollm2", "smollm2-draft"):
+        (out / name).mkdir(parents=True)
+        for item in (tree / "models" / name).iterdir():
+            (out / name / item.name).symlink_to(item)
+        gguf = out / name / "model.gguf"
+        if not gguf.exists():
+            gguf.unlink(missing_ok=True)
+            gguf.symlink_to((ROOT / "models" / name / "model.gguf").resolve())
+    return out
 
 
 # the streams' temperature (--temperature); None: the field is left out
@@ -335,6 +379,38 @@ def profile_phase(node: Daemon, n: int, tokens: int, rate: int = 100) -> dict:
             proc.wait(60)
             stacks[pid] = _read_raw(out)
     return summarise_profile(node, stacks, count)
+
+
+def split_phase(node: Daemon, n: int, tokens: int, rate: int = 1000) -> float | None:
+    """The share of the step thread's on-CPU samples inside llama.cpp (its
+    libllama, libggml or libgomp frames anywhere in the stack): `perf record`
+    on the task clock, stacks unwound from DWARF (ggml keeps no frame
+    pointers). py-spy cannot give this share: it calls a thread busy while
+    it is runnable, so on two shared cores a step thread that waits for a
+    core reads as Python time. None where perf is missing or refused."""
+    step = next((tid for tid, name in python_threads(node.worker).items() if name.startswith("modeld-compute")), None)
+    if step is None or shutil.which("perf") is None:
+        return None
+    settle([node.pid, node.worker])
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "step.perf"
+        proc = subprocess.Popen(["perf", "record", "-e", "task-clock", "-F", str(rate), "--call-graph", "dwarf,16384",
+                                 "-t", str(step), "-o", str(data)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # perf attaches
+        asyncio.run(streams(node.daemon.http_url, n, tokens))
+        proc.send_signal(2)
+        proc.wait(60)
+        if not data.exists():
+            return None
+        script = subprocess.run(["perf", "script", "-i", str(data), "-F", "ip,dso"], capture_output=True, text=True,
+                                check=False).stdout
+    stacks = [block for block in script.split("\n\n") if block.strip()]
+    inside = sum(1 for block in stacks if any(lib in block for lib in _COMPUTE_LIBRARIES))
+    return inside / len(stacks) if stacks else None
+
+
+# the step thread's samples in these are llama.cpp's compute (its sampler chain included)
+_COMPUTE_LIBRARIES = ("libllama", "libggml", "libgomp")
 
 
 def _read_raw(path: Path) -> list[tuple[list[str], int]]:
@@ -427,32 +503,63 @@ def summarise_profile(node: Daemon, stacks: dict[int, list[tuple[list[str], int]
     return out
 
 
-def daemon_bench(stream_counts: list[int], tokens: int, rounds: int, profile: bool) -> dict:
-    node = Daemon()
+def daemon_bench(stream_counts: list[int], tokens: int, rounds: int, profile: bool,
+                 before: Path | None = None) -> dict:
+    """Each round measures every stream count on every side (this tree, and
+    with --before the earlier one), in alternating order; then one profile
+    phase per side and stream count splits the step thread."""
+    nodes = [Daemon()] + ([Daemon(before)] if before is not None else [])
     try:
-        asyncio.run(streams(node.daemon.http_url, 2, 8))  # warm up: first prompt, first compile
+        for node in nodes:
+            asyncio.run(streams(node.daemon.http_url, 2, 8))  # warm up: first prompt, first compile
         phases = []
         for r in range(rounds):
             for n in (stream_counts if r % 2 == 0 else list(reversed(stream_counts))):
-                phase = measure_phase(node, n, tokens)
-                phase["round"] = r
-                phases.append(phase)
-                print(f"round {r}, {n} streams: {phase['tok_s']:.1f} tok/s, CPU ms/token "
-                      + ", ".join(f"{g} {v:.2f}" for g, v in phase["cpu_ms_per_token"].items()), flush=True)
-        profiles = {}
+                for node in (nodes if (r + n) % 2 == 0 else list(reversed(nodes))):
+                    phase = measure_phase(node, n, tokens)
+                    phase["round"], phase["side"] = r, node.label
+                    phases.append(phase)
+                    print(f"round {r}, {node.label}, {n} streams: {phase['tok_s']:.1f} tok/s, CPU ms/token "
+                          + ", ".join(f"{g} {v:.3f}" for g, v in phase["cpu_ms_per_token"].items()), flush=True)
+        profiles: dict = {node.label: {} for node in nodes}
         if profile:
             for n in stream_counts:
-                profiles[n] = profile_phase(node, n, tokens)
-                print(f"profile at {n} streams: step thread in llama_decode "
-                      f"{profiles[n]['step_thread_decode_share']}", flush=True)
+                for node in nodes:
+                    profiles[node.label][n] = got = profile_phase(node, n, tokens)
+                    got["step_thread_compute_share_perf"] = split_phase(node, n, tokens)
+                    print(f"profile, {node.label}, {n} streams: step thread in llama.cpp "
+                          f"{got['step_thread_compute_share_perf']} (perf), in llama_decode "
+                          f"{got['step_thread_decode_share']} (py-spy)", flush=True)
     finally:
-        node.stop()
+        for node in nodes:
+            node.stop()
+    summary = {node.label: _summary([p for p in phases if p["side"] == node.label], profiles[node.label],
+                                    stream_counts) for node in nodes}
+    out = {"phases": phases, "profiles": profiles, "summary": summary["after"]}
+    if before is not None:
+        out["before"] = summary["before"]
+        out["after_over_before"] = {
+            n: {key: _ratio(summary["after"][n].get(key), summary["before"][n].get(key))
+                for key in ("python_ms_per_token", "python_ms_per_token_without_step_thread")}
+            for n in stream_counts}
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _summary(phases: list[dict], profiles: dict, stream_counts: list[int]) -> dict:
+    """Medians by stream count; the step thread's Python share from its profile."""
     summary = {}
     for n in stream_counts:
         got = [p for p in phases if p["streams"] == n]
         groups = sorted({g for p in got for g in p["cpu_ms_per_token"]})
         med = {g: statistics.median(p["cpu_ms_per_token"].get(g, 0.0) for p in got) for g in groups}
-        share = profiles.get(n, {}).get("step_thread_decode_share")
+        profile = profiles.get(n, {})
+        share = profile.get("step_thread_compute_share_perf")
+        if share is None:  # no perf here: py-spy's share, which counts a waiting step thread as busy
+            share = profile.get("step_thread_decode_share")
         step = med.get("worker-step", 0.0)
         python = med.get("daemon-python", 0.0) + med.get("worker-python", 0.0)
         row = {"tok_s": statistics.median(p["tok_s"] for p in got), "cpu_ms_per_token": med,
@@ -461,7 +568,7 @@ def daemon_bench(stream_counts: list[int], tokens: int, rounds: int, profile: bo
             row["step_thread_python_ms_per_token"] = step * (1 - share)
             row["python_ms_per_token"] = python + step * (1 - share)
         summary[n] = row
-    return {"phases": phases, "profiles": profiles, "summary": summary}
+    return summary
 
 
 def main() -> None:
@@ -474,6 +581,8 @@ def main() -> None:
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--temperature", default="0", help="the daemon streams' temperature; none: not sent")
     parser.add_argument("--output", default=str(RESULTS / "token_cpu.json"))
+    parser.add_argument("--before", type=Path,
+                        help="an earlier checkout of modeld (e.g. `git worktree add`) raced in the same rounds")
     args = parser.parse_args()
     global TEMPERATURE
     TEMPERATURE = None if args.temperature == "none" else float(args.temperature)
@@ -490,12 +599,16 @@ def main() -> None:
         record["sampling"] = sampling_bench()
     if args.only in (None, "daemon"):
         counts = [int(n) for n in args.streams.split(",")]
-        record["daemon"] = daemon_bench(counts, args.tokens, args.rounds, not args.no_profile)
+        record["daemon"] = daemon_bench(counts, args.tokens, args.rounds, not args.no_profile, args.before)
         record["daemon"]["temperature"] = "not sent (OpenAI's default, 1)" if TEMPERATURE is None else TEMPERATURE
-        for n, row in record["daemon"]["summary"].items():
-            print(f"{n} streams: {row['tok_s']:.1f} tok/s; Python ms/token "
-                  f"{row.get('python_ms_per_token', row['python_ms_per_token_without_step_thread']):.3f}; "
-                  + ", ".join(f"{g} {v:.2f}" for g, v in row["cpu_ms_per_token"].items()), flush=True)
+        sides = {"after": record["daemon"]["summary"], "before": record["daemon"].get("before", {})}
+        for side, summary in sides.items():
+            for n, row in summary.items():
+                print(f"{side if args.before else ''} {n} streams: {row['tok_s']:.1f} tok/s; Python ms/token "
+                      f"{row.get('python_ms_per_token', row['python_ms_per_token_without_step_thread']):.3f}; "
+                      + ", ".join(f"{g} {v:.3f}" for g, v in row["cpu_ms_per_token"].items()), flush=True)
+        for n, ratio in record["daemon"].get("after_over_before", {}).items():
+            print(f"{n} streams: Python CPU per token after/before {ratio['python_ms_per_token']}", flush=True)
     record["load_average_after"] = list(os.getloadavg())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2, default=str))
