@@ -42,8 +42,9 @@ class StepExecutor(ABC):
 
     def run_picking(self, plan: StepPlan, picks: dict) -> tuple[np.ndarray, np.ndarray]:
         """run(plan), where each sequence in picks (seq id -> None for each
-        of its rows' argmax, or its native_sampler for its one row) gets its
-        tokens in the runtime and only the other rows are copied out:
+        of its rows' argmax, its native_sampler for its one row, or a
+        sampling.WholeDraw whose `draw` takes its one row read in place) gets
+        its tokens in the runtime and only the other rows are copied out:
         (tokens [rows] int64 in plan order, -1 for a copied row; logits
         [copied rows, vocab] float32 in plan order)."""
         raise NotImplementedError

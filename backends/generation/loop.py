@@ -22,10 +22,11 @@ rejected like any other; the matcher then consumes the tokens kept, and a
 grammar that can take nothing more ends the sequence (STOP).
 
 Rows nothing in numpy needs stay in the runtime (run_picking): a plain
-greedy row's argmax, and a sampled row the runtime's own sampler can draw
-exactly (native_sampler; llama.cpp's sampler chain), so only the rows
-that logit processors, masks, logprobs or draft verification read are
-copied out as [vocab] floats.
+greedy row's argmax, a sampled row the runtime's own sampler can draw
+exactly (native_sampler; llama.cpp's sampler chain), and a sampled row
+over the whole vocabulary (WholeDraw: draw_whole reads the runtime's
+buffer in place), so only the rows that logit processors, masks,
+logprobs or draft verification read are copied out as [vocab] floats.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from modeld.backends.generation.params import (
     FinalEvent, FinishReason, GenerateRequest, SpeculativeMode, TokenEvent, Usage,
 )
 from modeld.backends.generation.sampling import (
-    adjust_logits, draw, logprobs_of, make_rng, needs_adjusting, probabilities, sample_rows,
+    WholeDraw, adjust_logits, draw, logprobs_of, make_rng, needs_adjusting, probabilities, sample_rows, truncates,
 )
 from modeld.backends.generation.sequence import Sequence
 
@@ -377,9 +378,9 @@ class GenerationLoop:
     def _picks(self, plan: StepPlan) -> dict:
         """seq id -> how the runtime takes that sequence's tokens where its
         logits lie (StepExecutor.run_picking): None for each row's argmax
-        (plain greedy, or a sequence no longer served), else the sequence's
-        native sampler. Empty when the runtime has no native sampling: every
-        row is then copied out, as before."""
+        (plain greedy, or a sequence no longer served), the sequence's
+        native sampler, or a WholeDraw. Empty when the runtime has no native
+        sampling: every row is then copied out, as before."""
         if not self.runner.samples_natively:
             return {}
         picks = {}
@@ -399,9 +400,20 @@ class GenerationLoop:
             if sampler is None:
                 # decided once per sequence: its tokens come from one generator all its life
                 sampler = self._native[seq.seq_id] = self.runner.native_sampler(seq) or False
-            if sampler is not False and not work.num_drafts:
+            if work.num_drafts:
+                continue
+            if sampler is not False:
                 picks[work.seq_id] = sampler
+            elif self._draws_whole(seq):
+                picks[work.seq_id] = WholeDraw(seq.rng, params.temperature)
         return picks
+
+    def _draws_whole(self, seq: Sequence) -> bool:
+        """Whether seq's row is drawn by draw_whole with nothing read or
+        changed beside it: no filter, logit processor, mask or logprobs."""
+        params = seq.params
+        return not (params.logprobs or seq.matcher is not None or needs_adjusting(params, seq.num_output)
+                    or truncates(params, self.runner.vocab_size))
 
     def _start_masks(self, plan: StepPlan):
         """The step's constraint masks, computed while the model runs: they

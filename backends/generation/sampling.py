@@ -81,39 +81,60 @@ _BLOCK = 256  # weights per block of the two-level search: about the square root
 
 def draw_whole(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
     """draw(probabilities(logits, params), rng) for a row no filter
-    truncates, without a vocabulary-long running sum: the same float64
-    softmax weights, and one uniform draw scaled by their total rather than
-    every weight divided by it. The draw is found in two levels, the running
-    sum of per-block totals and then the running sum inside the one block it
-    falls in: a cumulative sum is one serial pass that numpy cannot
-    vectorise (177 of 270 us a row here), block totals are. The same
-    generator step, so seeded outputs stay as they were; the two differ only
-    where a draw lands within float64 rounding of a boundary between two
-    tokens. The buffer is the thread's (a fresh float64 array a row is an
-    mmap and its page faults), padded to whole blocks with zero weights."""
+    truncates, without a vocabulary-long running sum or a float64 exp:
+    the softmax weights are computed in float32 (numpy's float32 exp is
+    vectorised; its float64 exp is a scalar loop here, 386 against 85 us
+    over 49,152 tokens) and summed in float64, and one uniform draw is
+    scaled by their total rather than every weight divided by it. The draw
+    is found in two levels, the running sum of per-block totals and then
+    the running sum inside the one block it falls in: a cumulative sum is
+    one serial pass that numpy cannot vectorise, block totals are. The same
+    generator step as draw; the two differ only where a draw lands within
+    float32 rounding of a boundary between two tokens. `logits` may be a
+    view of a runtime's own buffer (WholeDraw): it is only read. The buffer
+    is the thread's (a fresh array a row is an allocation and its page
+    faults), padded to whole blocks with zero weights."""
     vocab = logits.shape[0]
     scratch = getattr(_SCRATCH, "buffer", None)
     if scratch is None or getattr(_SCRATCH, "vocab", None) != vocab:
-        scratch = _SCRATCH.buffer = np.zeros(-(-vocab // _BLOCK) * _BLOCK, dtype=np.float64)
+        scratch = _SCRATCH.buffer = np.zeros(-(-vocab // _BLOCK) * _BLOCK, dtype=np.float32)
         _SCRATCH.vocab = vocab
     weights = scratch[:vocab]  # the padding past it stays 0 and is never picked
-    np.copyto(weights, logits)
+    np.subtract(logits, logits.max(), out=weights)
     if temperature != 1.0:
-        weights /= temperature
-    weights -= weights.max()
+        weights /= np.float32(temperature)
     np.exp(weights, out=weights)
-    running = np.cumsum(scratch.reshape(-1, _BLOCK).sum(axis=1))
+    running = np.cumsum(scratch.reshape(-1, _BLOCK).sum(axis=1, dtype=np.float64))
     target = rng.random() * running[-1]
     block = min(int(running.searchsorted(target, side="right")), running.shape[0] - 1)
     if block:
         target -= running[block - 1]
     start = block * _BLOCK
-    picked = start + int(np.cumsum(scratch[start:start + _BLOCK]).searchsorted(target, side="right"))
+    inner = np.cumsum(scratch[start:start + _BLOCK], dtype=np.float64)
+    # a target at or past the block's running total (the two float64 sums
+    # round apart) stays in the block
+    picked = start + min(int(inner.searchsorted(target, side="right")), _BLOCK - 1)
     if picked >= vocab or scratch[picked] == 0.0:
-        # a target that rounds up to its block's total, or past the last
-        # token: the last token before it that can be drawn (never a masked one)
+        # a target that lands on a masked token or the padding past the
+        # last token: the last token before it that can be drawn
         picked = int(np.flatnonzero(weights[:min(picked, vocab)])[-1])
     return picked
+
+
+class WholeDraw:
+    """A sampled row that no filter truncates and nothing adjusts, drawn by
+    draw_whole from its sequence's own generator where the runtime's logits
+    lie (StepExecutor.run_picking): the [vocab] row is read in place, never
+    copied out. OpenAI's default request (temperature 1, no top-k, top-p or
+    min-p), which aiperf sends."""
+
+    __slots__ = ("rng", "temperature")
+
+    def __init__(self, rng: np.random.Generator, temperature: float) -> None:
+        self.rng, self.temperature = rng, temperature
+
+    def draw(self, row: np.ndarray) -> int:
+        return draw_whole(row, self.temperature, self.rng)
 
 
 def adjust_logits(rows: np.ndarray, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from modeld.backends.generation.params import SamplingParams, SpeculativeMode
+from modeld.backends.generation.sampling import WholeDraw
 
 # the seeds a 32-bit std::mt19937 takes, 0xFFFFFFFF (LLAMA_DEFAULT_SEED: "pick one at random") left out
 _SEED_MODULUS = 2**32 - 1
@@ -81,6 +82,7 @@ class PickCounts:
     native path is taken when sampled rows are counted here and not copied."""
 
     rows_sampled: int = 0  # drawn by a sequence's llama.cpp sampler chain
+    rows_drawn: int = 0  # drawn over the whole vocabulary in llama.cpp's buffer (sampling.WholeDraw)
     rows_argmax: int = 0  # argmax taken in llama.cpp's buffer
     rows_copied: int = 0  # copied out as [vocab] float32 for numpy
 
@@ -189,8 +191,9 @@ def decode_picking(context, items: list[tuple[int, int, int, bool]], picks: list
     """LlamaContext.decode for a step whose rows leave the buffer three ways.
 
     items: (token, position, slot, wants_logits); picks[i], for a wanted
-    item: False (copy its logits out), None (its argmax) or a NativeSampler
-    (a token drawn by it). Returns (tokens [wanted rows] int64, -1 where
+    item: False (copy its logits out), None (its argmax), a WholeDraw (a
+    token drawn from the row in place) or a NativeSampler (a token drawn
+    by it). Returns (tokens [wanted rows] int64, -1 where
     copied; logits [copied rows, vocab] float32), both in items' order.
     """
     from modeld.backends.llamacpp.context import _llama
@@ -222,6 +225,9 @@ def decode_picking(context, items: list[tuple[int, int, int, bool]], picks: list
             elif pick is None:
                 tokens[rank[i]] = rows[out].argmax()
                 counts.rows_argmax += 1
+            elif isinstance(pick, WholeDraw):
+                tokens[rank[i]] = pick.draw(rows[out])  # read in place, before the next decode
+                counts.rows_drawn += 1
             else:
                 tokens[rank[i]] = pick.sample(context.ctx, position)
                 counts.rows_sampled += 1

@@ -65,7 +65,7 @@ def _counted(model, factory):
     before = dataclasses.replace(picks)
     got = _run(model, factory)
     return got, {name: getattr(picks, name) - getattr(before, name) for name in ("rows_sampled", "rows_argmax",
-                                                                                  "rows_copied")}
+                                                                                  "rows_copied", "rows_drawn")}
 
 
 def _raw_logits(model, ids: list[int]) -> np.ndarray:
@@ -117,6 +117,25 @@ def test_top_k_1_is_greedy(model):
     (greedy, sampled), counts = _counted(model, go)
     assert sampled == [greedy, greedy]
     assert counts["rows_sampled"] == 48 and counts["rows_copied"] == 0, counts
+
+
+def test_a_whole_vocabulary_row_is_drawn_in_the_buffer_as_numpy_draws_it(model):
+    """OpenAI's default request (temperature 1, nothing truncated) is drawn
+    by draw_whole from llama.cpp's buffer, read in place: none of its rows
+    is copied out, and the tokens are those the copied-out numpy path
+    draws from the same seed (logprobs make a row be copied). Both compute
+    their prompts whole: a prefix-cache hit may round the logits otherwise."""
+    def go(**extra):
+        async def run():
+            return [await _generate(model, p, seed=21 + i, temperature=t, cache_prompt=False, **extra)
+                    for i, (p, t) in enumerate(zip(PROMPTS, (1.0, 1.0, 0.7, 1.3)))]
+        return run
+    in_buffer, counts = _counted(model, go())
+    copied, copied_counts = _counted(model, go(logprobs=1))
+    assert in_buffer == copied
+    assert len({tuple(t) for t in in_buffer}) == len(PROMPTS)
+    assert counts["rows_drawn"] == 4 * 24 and counts["rows_copied"] == 0 and counts["rows_sampled"] == 0, counts
+    assert copied_counts["rows_copied"] == 4 * 24 and copied_counts["rows_drawn"] == 0, copied_counts
 
 
 @pytest.mark.parametrize("params", [dict(top_p=0.5), dict(min_p=0.3), dict(top_k=3, temperature=1.5),
