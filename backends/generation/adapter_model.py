@@ -50,6 +50,8 @@ class LoopAdapterModel(GenerativeModel):
             token = REQUEST_ADAPTER.set(self.adapter_id)
             try:
                 first = await events.__anext__()
+            except StopAsyncIteration:
+                return  # every event went to the caller's step sink (step_sink.py)
             finally:
                 REQUEST_ADAPTER.reset(token)
             yield first

@@ -11,7 +11,10 @@ step to the thread and back cost ~0.4 ms a step here, 3-4% of a one-stream
 decode on llama.cpp. A burst ends when no work is left or after BURST_S, so
 other models sharing the thread get their turn. Requests join between steps
 (under the scheduler lock); a request whose consumer leaves is dropped, and
-its KV freed, by the next update.
+its KV freed, by the next update. A consumer that takes its events on the
+step thread (a worker process forwarding them to the daemon) names a sink
+instead (step_sink.py): the step then hands them there and wakes no event
+loop.
 
 Sampling a step: each sequence's rows get its logit processors (penalties,
 logit_bias, min_tokens; sampling.adjust_logits), then, for constrained
@@ -55,6 +58,7 @@ from modeld.backends.generation.sampling import (
     WholeDraw, adjust_logits, draw, logprobs_of, make_rng, needs_adjusting, probabilities, sample_rows, truncates,
 )
 from modeld.backends.generation.sequence import Sequence
+from modeld.backends.generation.step_sink import STEP_SINK, StepSink
 
 log = structlog.get_logger("modeld.generation")
 
@@ -67,7 +71,12 @@ BURST_S = 0.05
 
 
 class GenerationObserver(Protocol):
-    """Where the loop reports figures (the server turns them into metrics)."""
+    """Where the loop reports figures (the server turns them into metrics).
+
+    Called on the event loop, after the step; an observer with a true
+    `on_step_thread` attribute is called on the step thread instead, as
+    the step makes them, and flushed (`flush()`) with the step's sinks
+    (step_sink.py)."""
 
     def on_step(self, num_running: int, num_waiting: int, kv_used: int, kv_capacity: int) -> None: ...
     def on_tokens(self, count: int, first_token_s: float | None, inter_token_s: float | None) -> None: ...
@@ -89,6 +98,11 @@ class StepCounts:
 class _Stream:
     queue: asyncio.Queue
     text: IncrementalText
+    target: tuple[StepSink, object] | None = None  # (sink, key): events go there, on the step thread
+
+
+# put on a sink-fed stream's queue once its final event went to the sink: generate() returns
+_SENT = object()
 
 
 class GenerationLoop:
@@ -113,6 +127,7 @@ class GenerationLoop:
         # What the current step has for the event loop: (queue, event) pairs
         # and observer calls, delivered together after the step.
         self._outbox: list[tuple] = []
+        self._touched: set = set()  # the sinks the current step gave events to (step_sink.py)
         self._event_loop: asyncio.AbstractEventLoop | None = None
         # Always the same worker thread, and backends pass the thread they
         # loaded on: OpenMP keeps a thread team per calling thread, and
@@ -169,7 +184,7 @@ class GenerationLoop:
         seq.rng = make_rng(params.seed)
         seq.matcher = matcher
         seq.stream = _Stream(asyncio.Queue(), IncrementalText(params.stop, params.include_stop_str_in_output,
-                                                                     params.min_tokens))
+                                                                     params.min_tokens), STEP_SINK.get())
         with self._lock:
             self.scheduler.add(seq)
             self._sequences[seq.seq_id] = seq
@@ -177,6 +192,8 @@ class GenerationLoop:
         try:
             while True:
                 event = await seq.stream.queue.get()
+                if event is _SENT:
+                    return  # every event went to the stream's sink, on the step thread
                 yield event
                 if isinstance(event, FinalEvent):
                     return
@@ -216,16 +233,37 @@ class GenerationLoop:
             finally:
                 if self.observer is not None:
                     s = self.scheduler
-                    self._outbox.append((self.observer.on_step, len(s.running), len(s.waiting),
-                                         s.num_used_cells, s.kv_capacity))
+                    self._observe(self.observer.on_step, len(s.running), len(s.waiting), s.num_used_cells,
+                                  s.kv_capacity)
                 self._send_outbox()
             if not ran or not self.scheduler.has_work() or time.monotonic() >= deadline:
                 return ran
 
     def _send_outbox(self) -> None:
+        """The step's events and figures: to the sinks that took some, then
+        what is left to the event loop, in one wake-up."""
+        if self._touched:
+            touched, self._touched = self._touched, set()
+            for sink in touched:
+                sink.flush()
         if self._outbox:
             out, self._outbox = self._outbox, []
             self._event_loop.call_soon_threadsafe(_deliver, out)
+
+    def _send(self, seq: Sequence, event: TokenEvent | FinalEvent) -> None:
+        if seq.stream.target is None:
+            self._outbox.append((seq.stream.queue.put_nowait, event))
+            return
+        sink, key = seq.stream.target
+        sink.event(key, event)
+        self._touched.add(sink)
+
+    def _observe(self, method, *args) -> None:
+        if getattr(self.observer, "on_step_thread", False):
+            method(*args)
+            self._touched.add(self.observer)
+        else:
+            self._outbox.append((method, *args))
 
     def _step(self) -> bool:
         plan, results = _NO_WORK, {}
@@ -531,9 +569,9 @@ class GenerationLoop:
             chosen, top = logprobs_of(rows[:len(taken)], np.array(taken), seq.params.logprobs)
             logprobs, tops = tuple(chosen), tuple(top)
         if taken or text:
-            self._outbox.append((seq.stream.queue.put_nowait, TokenEvent(tuple(taken), text, logprobs, tops)))
+            self._send(seq, TokenEvent(tuple(taken), text, logprobs, tops))
         if self.observer is not None:
-            self._outbox.append((self.observer.on_tokens, len(taken), first, inter))
+            self._observe(self.observer.on_tokens, len(taken), first, inter)
         return taken, reason
 
     def _is_stop_token(self, seq: Sequence, token: int) -> bool:
@@ -566,17 +604,25 @@ class GenerationLoop:
             time_to_first_token_s=(seq.first_token_time - seq.arrival_time) if seq.first_token_time else 0.0,
         )
         error, kind = (result.error, result.error_kind) if result is not None else ("", None)
-        self._outbox.append((seq.stream.queue.put_nowait, FinalEvent(seq.finish_reason, usage, error, kind)))
+        self._send(seq, FinalEvent(seq.finish_reason, usage, error, kind))
+        if seq.stream.target is not None:
+            self._outbox.append((seq.stream.queue.put_nowait, _SENT))  # ends its generate() once sent
         if self.observer is not None:
-            self._outbox.append((self.observer.on_finish, usage, seq.finish_reason))
+            self._observe(self.observer.on_finish, usage, seq.finish_reason)
 
     def _abandon_all(self, exc: Exception) -> None:
         """Fail every request now; the scheduler drops them (as cancelled) at its next update."""
         for seq in self._sequences.values():
             seq.is_cancelled = True
             usage = Usage(prompt_tokens=seq.num_prompt, completion_tokens=seq.num_output)
-            seq.stream.queue.put_nowait(FinalEvent(FinishReason.ERROR, usage, f"generation failed: {exc}",
-                                                   ErrorKind.INTERNAL))
+            final = FinalEvent(FinishReason.ERROR, usage, f"generation failed: {exc}", ErrorKind.INTERNAL)
+            if seq.stream.target is None:
+                seq.stream.queue.put_nowait(final)
+                continue
+            sink, key = seq.stream.target
+            sink.event(key, final)
+            sink.flush()
+            seq.stream.queue.put_nowait(_SENT)
         self._sequences.clear()
         for sampler in self._native.values():
             if sampler is not False:

@@ -26,7 +26,9 @@ import structlog
 
 from modeld.backends.base import GenerativeModel
 from modeld.backends.errors import BackendFailure, FailedPrecondition, LoadFailed, ModeldError, Unavailable
-from modeld.server.workers.frames import ThreadChannel
+from modeld.backends.generation.loop import GenerationLoop
+from modeld.backends.generation.step_sink import STEP_SINK
+from modeld.server.workers.frames import BATCH, ThreadChannel
 from modeld.server.workers.kv_cache import KvDeltaSource, model_cache, prompt_hashes
 
 log = structlog.get_logger("modeld.worker")
@@ -55,6 +57,47 @@ class _ForwardingObserver:
         self.out.send(("obs", "on_finish", (usage, reason)))
 
 
+class _StepThreadSender:
+    """A model's events and figures sent to the daemon from its generation
+    loop's step thread (a step sink and the loop's observer, step_sink.py):
+    a step's messages for every stream go out as one frame, written by that
+    thread, with no hop through this process's event loop (a wake-up, a
+    task and an async-generator hop per stream per step)."""
+
+    on_step_thread = True
+
+    def __init__(self, out: ThreadChannel) -> None:
+        self.out = out
+        self._pending: list[tuple] = []
+        self._lock = threading.Lock()  # the step thread, and the event loop when a failing loop abandons all
+
+    def _add(self, message: tuple) -> None:
+        with self._lock:
+            self._pending.append(message)
+
+    def event(self, rid: int, event) -> None:
+        self._add(("event", rid, event))
+
+    def on_step(self, num_running: int, num_waiting: int, kv_used: int, kv_capacity: int) -> None:
+        self._add(("obs", "on_step", (num_running, num_waiting, kv_used, kv_capacity)))
+
+    def on_tokens(self, count: int, first_token_s, inter_token_s) -> None:
+        self._add(("obs", "on_tokens", (count, first_token_s, inter_token_s)))
+
+    def on_finish(self, usage, reason) -> None:
+        self._add(("obs", "on_finish", (usage, reason)))
+
+    def flush(self) -> None:
+        with self._lock:
+            messages, self._pending = self._pending, []
+            if not messages:
+                return
+            try:  # under the lock: two threads' flushes keep their order
+                self.out.send_now(messages[0] if len(messages) == 1 else (BATCH, tuple(messages)))
+            except ConnectionResetError:
+                pass  # the daemon is gone; the channel's reader reports it
+
+
 class Worker:
     def __init__(self, model: str, sock: socket.socket) -> None:
         self.model = model
@@ -64,6 +107,7 @@ class Worker:
         self.kv_source = KvDeltaSource()  # what the daemon was last told of the prefix cache
         self._model_lock = threading.Lock()  # a batch never runs while the model unloads
         self.streams: dict[int, asyncio.Task] = {}
+        self.sender = _StepThreadSender(self.out)
         self.done = asyncio.Event()
 
     def channel_lost(self, exc: BaseException | None) -> None:
@@ -118,6 +162,9 @@ class Worker:
         self.out.send(reply)
 
     async def generate(self, rid: int, request, adapter: str = "") -> None:
+        # the shared generation loop sends this stream's events from its step
+        # thread (self.sender); other loops yield them here
+        STEP_SINK.set((self.sender, rid))  # this task's own context
         try:
             async with contextlib.aclosing(self._model_for(adapter).generate(request)) as events:
                 async for event in events:
@@ -154,7 +201,8 @@ class Worker:
             raise LoadFailed(f"{type(exc).__name__}: {exc}") from exc
         generative = isinstance(self.loaded, GenerativeModel)
         if generative:
-            self.loaded.set_observer(_ForwardingObserver(self.out))
+            steps_here = isinstance(getattr(self.loaded, "loop", None), GenerationLoop)
+            self.loaded.set_observer(self.sender if steps_here else _ForwardingObserver(self.out))
         log.info("worker_model_loaded", model=self.model, backend=backend_name, nbytes=self.loaded.nbytes)
         return {"nbytes": self.loaded.nbytes, "inputs": self.loaded.inputs, "outputs": self.loaded.outputs,
                 "generative": generative}
