@@ -294,3 +294,78 @@ def test_greedy_drafts_are_verified_from_the_argmax_alone():
     tokens, final = _serve(loop, lambda: _collect(loop, request))
     assert tokens == _expected(request)
     assert runner.full_steps == 0 and runner.greedy_steps > 0
+
+
+class RecordingSink:
+    """A step sink and step-thread observer (step_sink.py) that records which
+    thread gave it what, and each flush."""
+
+    on_step_thread = True
+
+    def __init__(self) -> None:
+        self.events: list[tuple[object, object, str]] = []
+        self.figures: list[tuple[str, str]] = []
+        self.flushes: list[int] = []  # how many events and figures each flush found
+
+    def event(self, key, event) -> None:
+        self.events.append((key, event, threading.current_thread().name))
+
+    def on_step(self, *figures) -> None:
+        self.figures.append(("on_step", threading.current_thread().name))
+
+    def on_tokens(self, *figures) -> None:
+        self.figures.append(("on_tokens", threading.current_thread().name))
+
+    def on_finish(self, *figures) -> None:
+        self.figures.append(("on_finish", threading.current_thread().name))
+
+    def flush(self) -> None:
+        self.flushes.append(len(self.events) + len(self.figures))
+
+
+async def _sunk(loop: GenerationLoop, sink: RecordingSink, key, request: GenerateRequest) -> list:
+    """generate() with the sink set, as a worker's task sets it: what it yields itself."""
+    from modeld.backends.generation.step_sink import STEP_SINK
+
+    STEP_SINK.set((sink, key))
+    return [event async for event in loop.generate(request)]
+
+
+@pytest.mark.parametrize("kind", ["slots", "paged"])
+def test_a_stream_with_a_step_sink_gets_its_events_on_the_step_thread(kind):
+    sink = RecordingSink()
+    loop = GenerationLoop(runner=CountingRunner(), scheduler=_schedulers()[kind], observer=sink)
+    requests = {"a": _request("hello", max_tokens=6), "b": _request("other", max_tokens=4)}
+
+    async def body():
+        plain = _request("plain", max_tokens=5)
+        *yielded, (tokens, final) = await asyncio.gather(*(_sunk(loop, sink, k, r) for k, r in requests.items()),
+                                                          _collect(loop, plain))
+        return yielded, tokens, final, plain
+    yielded, tokens, final, plain = _serve(loop, body)
+    assert yielded == [[], []]  # the sink took every event: generate() yielded none
+    assert tokens == _expected(plain) and final.finish_reason is FinishReason.LENGTH  # a queue stream beside them
+    for key, request in requests.items():
+        events = [event for k, event, _ in sink.events if k == key]
+        assert [t for e in events[:-1] for t in e.token_ids] == _expected(request)
+        assert isinstance(events[-1], FinalEvent) and events[-1].finish_reason is FinishReason.LENGTH
+    threads = {name for *_, name in sink.events} | {name for _, name in sink.figures}
+    assert threads == {"modeld-step_0"}, threads
+    assert {name for name, _ in sink.figures} == {"on_step", "on_tokens", "on_finish"}
+    # flushed once a step after its events (a step flushes what it and the steps before gave)
+    assert sink.flushes == sorted(sink.flushes) and sink.flushes[-1] == len(sink.events) + len(sink.figures)
+
+
+def test_leaving_a_sink_fed_stream_cancels_its_sequence():
+    sink = RecordingSink()
+    loop = GenerationLoop(runner=SlowRunner(0.005), scheduler=_schedulers()["slots"], observer=sink)
+
+    async def body():
+        task = asyncio.ensure_future(_sunk(loop, sink, "gone", _request("hello", max_tokens=200)))
+        await wait_until_async(lambda: len(sink.events) >= 3, 30, "the stream's first tokens")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await wait_until_async(lambda: not loop.scheduler.has_work(), 30, "the sequence to leave")
+    _serve(loop, body)
+    finals = [e for _, e, _ in sink.events if isinstance(e, FinalEvent)]
+    assert len(sink.events) < 200 and len(finals) <= 1
