@@ -31,8 +31,9 @@ Three parts (all by default; `--only unit`, `--only daemon` or `--only sampling`
   sampling  one sampled row of SmolLM2's real logits (8 rows a decode, at
           OpenAI's default temperature 1 over the whole vocabulary and at
           llama-server's top-k 40): microseconds per row drawn in numpy (the
-          row copied out, sampling.probabilities, sampling.draw) and on
-          llama.cpp's sampler chain in its buffer (native_sampling).
+          row copied out, then sample_rows), on llama.cpp's sampler chain in
+          its buffer (native_sampling), and, for the whole vocabulary, by
+          the loop's own path there (sampling.WholeDraw on the row in place).
 
   --temperature none sends the daemon's streams without a temperature, as
   aiperf does (OpenAI's default 1: sampled over the whole vocabulary, in
@@ -145,7 +146,7 @@ def sampling_bench(repeats: int = 200) -> list[dict]:
     import numpy as np
 
     from modeld.backends.generation.params import SamplingParams
-    from modeld.backends.generation.sampling import make_rng, sample_rows
+    from modeld.backends.generation.sampling import WholeDraw, make_rng, sample_rows, truncates
     from modeld.backends.llamacpp.context import LlamaContext, LlamaModel, _llama
     from modeld.backends.llamacpp.native_sampling import NativeSampler
 
@@ -177,10 +178,19 @@ def sampling_bench(repeats: int = 200) -> list[dict]:
             native_us = (time.perf_counter() - started) / (repeats * rows) * 1e6
             for sampler in samplers:
                 sampler.close()
-            out.append({"sampling": name, "numpy_us_per_row": numpy_us, "native_us_per_row": native_us,
-                        "ratio": native_us / numpy_us})
-            print(f"sampling one row, {name}: numpy {numpy_us:.0f} us, llama.cpp chain {native_us:.0f} us",
-                  flush=True)
+            row = {"sampling": name, "numpy_us_per_row": numpy_us, "native_us_per_row": native_us,
+                   "ratio": native_us / numpy_us}
+            if not truncates(params, model.vocab_size):  # the loop's path for it: drawn in llama.cpp's buffer
+                draws = [WholeDraw(rng, params.temperature) for _ in range(rows)]
+                started = time.perf_counter()
+                for _ in range(repeats):
+                    for r in range(rows):
+                        draws[r].draw(view[r])
+                row["in_buffer_us_per_row"] = (time.perf_counter() - started) / (repeats * rows) * 1e6
+            out.append(row)
+            print(f"sampling one row, {name}: numpy {numpy_us:.0f} us, llama.cpp chain {native_us:.0f} us"
+                  + (f", numpy in llama.cpp's buffer {row['in_buffer_us_per_row']:.0f} us"
+                     if "in_buffer_us_per_row" in row else ""), flush=True)
         return out
     finally:
         context.close()
@@ -340,22 +350,47 @@ def classify(node: Daemon, names: dict[int, dict[int, str]], key: tuple[int, int
 def measure_phase(node: Daemon, n: int, tokens: int) -> dict:
     pids = [node.pid, node.worker]
     settle(pids)
-    before = thread_cpu(pids)
+    before, ticks_before = thread_cpu(pids), thread_ticks(pids)
     count, wall = asyncio.run(streams(node.daemon.http_url, n, tokens))
-    after = thread_cpu(pids)
+    after, ticks_after = thread_cpu(pids), thread_ticks(pids)
     names = {pid: python_threads(pid) for pid in pids}
     groups: dict[str, float] = collections.defaultdict(float)
     threads: dict[str, float] = collections.defaultdict(float)
+    ticks: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     for key, end in after.items():
         spent = end - before.get(key, 0.0)
         group, label = classify(node, names, key)
         groups[group] += spent
         threads[f"{group}:{label}"] += spent
+        for i, (a, b) in enumerate(zip(ticks_before.get(key, (0, 0)), ticks_after.get(key, (0, 0)))):
+            ticks[group][i] += b - a
     per_token = {g: v * 1e3 / count for g, v in groups.items()}
     return {"streams": n, "tokens": count, "wall_s": wall, "tok_s": count / wall,
             "cpu_ms_per_token": dict(sorted(per_token.items())),
+            # the kernel's share of each group (system over user + system ticks): socket writes, wake-ups
+            "system_share": {g: round(sys_ / (user + sys_), 3) for g, (user, sys_) in sorted(ticks.items())
+                             if user + sys_},
             "threads_cpu_ms_per_token": {k: round(v * 1e3 / count, 4) for k, v in sorted(threads.items())
                                          if v * 1e3 / count >= 0.005}}
+
+
+def thread_ticks(pids: list[int]) -> dict[tuple[int, int], tuple[int, int]]:
+    """(pid, tid) -> (user, system) clock ticks of every thread of pids
+    (/proc/.../stat): coarse, but the only split of the two."""
+    out = {}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            continue
+        for tid in tids:
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+            out[(pid, int(tid))] = (int(fields[11]), int(fields[12]))
+    return out
 
 
 def profile_phase(node: Daemon, n: int, tokens: int, rate: int = 100) -> dict:
@@ -440,10 +475,12 @@ _OURS = ("backends/", "server/", "gen/", "clients/", "modeld/", str(ROOT) + "/")
 
 
 def _in_decode(frame: str) -> bool:
-    """A frame that is llama.cpp's forward pass: LlamaContext._decode's line
-    calling llama_decode (py-spy shows the ctypes call as its caller's line)."""
+    """A frame that is llama.cpp's forward pass: LlamaContext.submit's line
+    calling llama_decode (py-spy shows the ctypes call as its caller's
+    line; decode_picking calls submit without _decode)."""
     name = frame.partition(" (")[0]
-    return name in ("llama_decode", "_decode", "LlamaContext._decode") or name.endswith(".llama_decode")
+    return name in ("llama_decode", "_decode", "LlamaContext._decode", "submit", "LlamaContext.submit") or \
+        name.endswith(".llama_decode")
 
 
 def _in_native_sampling(frame: str) -> bool:
@@ -562,7 +599,9 @@ def _summary(phases: list[dict], profiles: dict, stream_counts: list[int]) -> di
             share = profile.get("step_thread_decode_share")
         step = med.get("worker-step", 0.0)
         python = med.get("daemon-python", 0.0) + med.get("worker-python", 0.0)
-        row = {"tok_s": statistics.median(p["tok_s"] for p in got), "cpu_ms_per_token": med,
+        shares = {g: statistics.median(p["system_share"][g] for p in got if g in p.get("system_share", {}))
+                  for g in groups if any(g in p.get("system_share", {}) for p in got)}
+        row = {"tok_s": statistics.median(p["tok_s"] for p in got), "cpu_ms_per_token": med, "system_share": shares,
                "python_ms_per_token_without_step_thread": python}
         if share is not None:
             row["step_thread_python_ms_per_token"] = step * (1 - share)

@@ -245,7 +245,10 @@ class GenerationLoop:
         if self._touched:
             touched, self._touched = self._touched, set()
             for sink in touched:
-                sink.flush()
+                try:
+                    sink.flush()
+                except Exception:  # a consumer that fails must not fail the step or the sinks after it
+                    log.exception("generation_delivery_failed")
         if self._outbox:
             out, self._outbox = self._outbox, []
             self._event_loop.call_soon_threadsafe(_deliver, out)
@@ -260,7 +263,10 @@ class GenerationLoop:
 
     def _observe(self, method, *args) -> None:
         if getattr(self.observer, "on_step_thread", False):
-            method(*args)
+            try:
+                method(*args)
+            except Exception:  # as _deliver: figures that fail hold back no event
+                log.exception("generation_delivery_failed")
             self._touched.add(self.observer)
         else:
             self._outbox.append((method, *args))

@@ -369,3 +369,24 @@ def test_leaving_a_sink_fed_stream_cancels_its_sequence():
     _serve(loop, body)
     finals = [e for _, e, _ in sink.events if isinstance(e, FinalEvent)]
     assert len(sink.events) < 200 and len(finals) <= 1
+
+
+class FailingStepSink(RecordingSink):
+    """A sink whose figures and sends fail, as a closed channel's might."""
+
+    def on_tokens(self, *figures) -> None:
+        raise ConnectionResetError("the channel is closed")
+
+    def flush(self) -> None:
+        raise ConnectionResetError("the channel is closed")
+
+
+def test_a_failing_step_sink_fails_no_step():
+    sink = FailingStepSink()
+    loop = GenerationLoop(runner=CountingRunner(), scheduler=_schedulers()["slots"], observer=sink)
+    request = _request("hello", max_tokens=5)
+    yielded = _serve(loop, lambda: asyncio.wait_for(_sunk(loop, sink, "k", request), 30))
+    assert yielded == []
+    events = [event for _, event, _ in sink.events]
+    assert [t for e in events[:-1] for t in e.token_ids] == _expected(request)
+    assert events[-1].finish_reason is FinishReason.LENGTH
