@@ -206,12 +206,8 @@ def tree_pids(pid: int) -> list[int]:
     return [root.pid] + [c.pid for c in root.children(recursive=True)]
 
 
-def thread_cpu(pids: list[int]) -> dict[tuple[int, int], float]:
-    """(pid, tid) -> CPU seconds of every thread of pids, from the
-    scheduler's nanosecond run time (/proc/.../schedstat); /proc/.../stat
-    counts in 10 ms ticks, which at 32 tokens a stream reads in steps of
-    0.3 ms a token."""
-    out = {}
+def _thread_files(pids: list[int], name: str):
+    """((pid, tid), text of /proc/<pid>/task/<tid>/<name>) for every live thread of pids."""
     for pid in pids:
         try:
             tids = os.listdir(f"/proc/{pid}/task")
@@ -219,11 +215,17 @@ def thread_cpu(pids: list[int]) -> dict[tuple[int, int], float]:
             continue
         for tid in tids:
             try:
-                ran = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]
-            except (FileNotFoundError, ProcessLookupError, IndexError):
+                yield (pid, int(tid)), Path(f"/proc/{pid}/task/{tid}/{name}").read_text()
+            except (FileNotFoundError, ProcessLookupError):
                 continue
-            out[(pid, int(tid))] = int(ran) / 1e9
-    return out
+
+
+def thread_cpu(pids: list[int]) -> dict[tuple[int, int], float]:
+    """(pid, tid) -> CPU seconds of every thread of pids, from the
+    scheduler's nanosecond run time (/proc/.../schedstat); /proc/.../stat
+    counts in 10 ms ticks, which at 32 tokens a stream reads in steps of
+    0.3 ms a token."""
+    return {key: int(text.split()[0]) / 1e9 for key, text in _thread_files(pids, "schedstat") if text.split()}
 
 
 def thread_comm(pid: int, tid: int) -> str:
@@ -378,18 +380,9 @@ def thread_ticks(pids: list[int]) -> dict[tuple[int, int], tuple[int, int]]:
     """(pid, tid) -> (user, system) clock ticks of every thread of pids
     (/proc/.../stat): coarse, but the only split of the two."""
     out = {}
-    for pid in pids:
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except FileNotFoundError:
-            continue
-        for tid in tids:
-            try:
-                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-            out[(pid, int(tid))] = (int(fields[11]), int(fields[12]))
+    for key, stat in _thread_files(pids, "stat"):
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        out[key] = (int(fields[11]), int(fields[12]))
     return out
 
 

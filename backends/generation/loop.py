@@ -106,6 +106,10 @@ _SENT = object()
 
 
 class GenerationLoop:
+    # hands a stream's events to its STEP_SINK and calls an on_step_thread
+    # observer on the step thread (step_sink.py)
+    takes_step_sinks = True
+
     def __init__(self, runner: StepExecutor, scheduler: GenerationScheduler,
                  observer: GenerationObserver | None = None, draft: DraftRunner | None = None,
                  worker: ThreadPoolExecutor | None = None) -> None:

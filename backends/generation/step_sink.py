@@ -13,7 +13,9 @@ by leaving the generator, as for any stream.
 
 An observer that says `on_step_thread = True` is likewise called on the
 step thread and flushed with the sinks, so a step that only reports
-figures wakes no event loop either.
+figures wakes no event loop either. A loop that does both says
+`takes_step_sinks = True`; other loops (onnxruntime-genai's) yield their
+events and call their observer as before.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ import structlog
 
 from modeld.backends.base import GenerativeModel
 from modeld.backends.errors import BackendFailure, FailedPrecondition, LoadFailed, ModeldError, Unavailable
-from modeld.backends.generation.loop import GenerationLoop
 from modeld.backends.generation.step_sink import STEP_SINK
 from modeld.server.workers.frames import BATCH, ThreadChannel
 from modeld.server.workers.kv_cache import KvDeltaSource, model_cache, prompt_hashes
@@ -201,8 +200,8 @@ class Worker:
             raise LoadFailed(f"{type(exc).__name__}: {exc}") from exc
         generative = isinstance(self.loaded, GenerativeModel)
         if generative:
-            steps_here = isinstance(getattr(self.loaded, "loop", None), GenerationLoop)
-            self.loaded.set_observer(self.sender if steps_here else _ForwardingObserver(self.out))
+            takes_sinks = getattr(getattr(self.loaded, "loop", None), "takes_step_sinks", False)
+            self.loaded.set_observer(self.sender if takes_sinks else _ForwardingObserver(self.out))
         log.info("worker_model_loaded", model=self.model, backend=backend_name, nbytes=self.loaded.nbytes)
         return {"nbytes": self.loaded.nbytes, "inputs": self.loaded.inputs, "outputs": self.loaded.outputs,
                 "generative": generative}

@@ -26,6 +26,7 @@ SERVER_MAY_IMPORT = {
     "modeld.backends.dtypes",  # datatype tables the wire conversion shares with backends
     "modeld.backends.sizes",  # byte sizes in configs and the memory budget
     "modeld.backends.generation.params",  # request, event and usage types of generation
+    "modeld.backends.generation.step_sink",  # STEP_SINK: how a worker takes a generation's events on its step thread
     "modeld.backends.load_policy",  # the settings' LoadPolicy the engine stamps into each ModelConfig
     "modeld.backends.artifact_paths",  # scrub_paths: a failed load's reasons without the daemon's paths
 }
