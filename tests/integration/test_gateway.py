@@ -280,6 +280,10 @@ def test_a_node_joining_takes_its_share_of_the_ring(fleet):
     fleet["late"] = late = start_daemon("--no-preload", "--grpc-port", str(fleet["late_port"]),
                                         repository=fleet["repo"])
     _wait(lambda: _metric(gateway, "modeld_gateway_node_serving", node=late_address) == 1, 20, "the late node joining")
+    # its breaker opened while the address refused calls; until the half-open
+    # probe closes it, a load skips the node (it is not `usable`)
+    _wait(lambda: _metric(gateway, "modeld_gateway_breaker_state", node=late_address) == 0, 30,
+          "the late node's breaker closing")
     gw = tc.InferenceServerClient(f"127.0.0.1:{gateway.port}")
     for name in [*mine, other]:
         config = onnx_fixtures.triton_config(name, [("x", "FP32", [4])], [("y", "FP32", [4])])
