@@ -41,6 +41,14 @@ def add_fp32(num_weights: int = 4) -> bytes:
     return _save(graph)
 
 
+def non_utf8_dimension() -> bytes:
+    """double_int64 with its batch dimension named in bytes that are not UTF-8
+    (b"bat\\xe9h"): protobuf's C++ parser in onnxruntime takes it, Python's str cannot."""
+    data = double_int64()
+    assert data.count(b"batch") == 2
+    return data.replace(b"batch", b"bat\xe9h")
+
+
 def softcap(cap: float = 2.0) -> bytes:
     """y = Softcap(x) with modeld's own operator: onnxruntime refuses it."""
     graph = helper.make_graph(

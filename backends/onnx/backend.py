@@ -87,8 +87,15 @@ class OnnxModel(GraphModel):
         # serialised by the engine, so the growth is this model's).
         self.nbytes = max(path.stat().st_size, process_rss() - rss_before)
         self.providers = tuple(self._session.get_providers())
-        graph_in = tuple(_spec(a) for a in self._session.get_inputs())
-        graph_out = tuple(_spec(a) for a in self._session.get_outputs())
+        try:
+            graph_in = tuple(_spec(a) for a in self._session.get_inputs())
+            graph_out = tuple(_spec(a) for a in self._session.get_outputs())
+        except UnicodeDecodeError as exc:
+            # onnxruntime hands a graph's names and symbolic dimensions back as
+            # str: a graph whose bytes there are not UTF-8 loads, but cannot be described
+            self._session = None
+            raise LoadFailed(f"{config.artifact_path!r} names an input, output or dimension in bytes that are "
+                             f"not UTF-8 ({exc.reason} at byte {exc.start}); rename it in the graph") from exc
         super().__init__(config, model_dir, graph_in, graph_out)
 
     def _run(self, feeds: dict[str, np.ndarray], output_names: tuple[str, ...]) -> dict[str, np.ndarray]:

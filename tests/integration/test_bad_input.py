@@ -121,6 +121,21 @@ def test_corrupt_and_non_onnx_files(triton):
         assert not triton.is_model_ready(name)
 
 
+def test_a_graph_with_names_that_are_not_utf8_loads_on_the_next_backend(triton):
+    """onnxruntime loads it, then cannot describe its inputs and outputs as
+    str: the onnx backend refuses it (LoadFailed, not an INTERNAL bug: a
+    fuzzed upload found that), and the next backend in the model's list
+    (IREE, or the pure-Python reference one, which read the name as bytes)
+    serves it."""
+    config = json.dumps(onnx_fixtures.triton_config("notutf8", [("x", "INT64", [3])], [("y", "INT64", [3])]))
+    triton.load_model("notutf8", config=config, files={"file:1/model.onnx": onnx_fixtures.non_utf8_dimension()})
+    x = tc.InferInput("x", [1, 3], "INT64")
+    x.set_data_from_numpy(np.array([[1, 2, 3]], np.int64))
+    np.testing.assert_array_equal(triton.infer("notutf8", [x]).as_numpy("y"), [[2, 4, 6]])
+    assert triton.get_model_metadata("notutf8").platform != "modeld_onnx"  # iree or reference, by priority
+    triton.unload_model("notutf8")
+
+
 @pytest.mark.parametrize("path", ["file:../escape.onnx", "file:/etc/model.onnx", "file:1/../../x", "file:a\x00b"])
 def test_inline_file_paths_cannot_escape(triton, path):
     config = json.dumps(onnx_fixtures.triton_config("escape", [("x", "INT64", [3])], [("y", "INT64", [3])]))
