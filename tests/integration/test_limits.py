@@ -16,6 +16,7 @@ import pytest
 
 import onnx_fixtures
 from daemon import add_small_smollm2, start_daemon
+from polling import wait_until
 from modeld.backends.errors import InvalidArgument
 from modeld.backends.model_config import config_from_dict, config_from_json
 from modeld.gen import generation_pb2 as g
@@ -103,8 +104,17 @@ def test_generations_beyond_max_streams_are_resource_exhausted(channel, stub):
         stub.ModelInfer(_rows("plain", 1), timeout=30)
     finally:
         running[0].cancel()
+
+    def one_more():
+        try:
+            return list(_long_generation(generation, max_tokens=4))
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            return None  # the cancel has not reached the daemon yet: it frees the slot when it does
+
     # one slot free again: a new generation runs
-    done = list(_long_generation(generation, max_tokens=4))
+    done = wait_until(one_more, 60, "the cancelled generation's slot to free")
     assert done[-1].usage.completion_tokens == 4
     running[1].cancel()
 
