@@ -41,41 +41,13 @@ def error_reply(rid: int, exc: BaseException) -> tuple:
 
 class _ForwardingObserver:
     """The generation loop's figures, sent to the observer the daemon set on
-    the stand-in (its GenerationMetrics)."""
+    the stand-in (its GenerationMetrics), from the event loop."""
 
     def __init__(self, out: ThreadChannel) -> None:
         self.out = out
-
-    def on_step(self, num_running: int, num_waiting: int, kv_used: int, kv_capacity: int) -> None:
-        self.out.send(("obs", "on_step", (num_running, num_waiting, kv_used, kv_capacity)))
-
-    def on_tokens(self, count: int, first_token_s, inter_token_s) -> None:
-        self.out.send(("obs", "on_tokens", (count, first_token_s, inter_token_s)))
-
-    def on_finish(self, usage, reason) -> None:
-        self.out.send(("obs", "on_finish", (usage, reason)))
-
-
-class _StepThreadSender:
-    """A model's events and figures sent to the daemon from its generation
-    loop's step thread (a step sink and the loop's observer, step_sink.py):
-    a step's messages for every stream go out as one frame, written by that
-    thread, with no hop through this process's event loop (a wake-up, a
-    task and an async-generator hop per stream per step)."""
-
-    on_step_thread = True
-
-    def __init__(self, out: ThreadChannel) -> None:
-        self.out = out
-        self._pending: list[tuple] = []
-        self._lock = threading.Lock()  # the step thread, and the event loop when a failing loop abandons all
 
     def _add(self, message: tuple) -> None:
-        with self._lock:
-            self._pending.append(message)
-
-    def event(self, rid: int, event) -> None:
-        self._add(("event", rid, event))
+        self.out.send(message)
 
     def on_step(self, num_running: int, num_waiting: int, kv_used: int, kv_capacity: int) -> None:
         self._add(("obs", "on_step", (num_running, num_waiting, kv_used, kv_capacity)))
@@ -85,6 +57,28 @@ class _StepThreadSender:
 
     def on_finish(self, usage, reason) -> None:
         self._add(("obs", "on_finish", (usage, reason)))
+
+
+class _StepThreadSender(_ForwardingObserver):
+    """A model's events and figures sent to the daemon from its generation
+    loop's step thread (a step sink and the loop's observer, step_sink.py):
+    a step's messages for every stream go out as one frame, written by that
+    thread, with no hop through this process's event loop (a wake-up, a
+    task and an async-generator hop per stream per step)."""
+
+    on_step_thread = True
+
+    def __init__(self, out: ThreadChannel) -> None:
+        super().__init__(out)
+        self._pending: list[tuple] = []
+        self._lock = threading.Lock()  # the step thread, and the event loop when a failing loop abandons all
+
+    def _add(self, message: tuple) -> None:
+        with self._lock:
+            self._pending.append(message)
+
+    def event(self, rid: int, event) -> None:
+        self._add(("event", rid, event))
 
     def flush(self) -> None:
         with self._lock:
