@@ -204,8 +204,9 @@ def median_of(runs: list[dict], key: str) -> float:
 
 
 class DecodeFloor:
-    """Only the matrix products of one decode step, through modeld's fastest
-    fp32 form on MKL (cpu_project), over the real weights (each layer's fused
+    """Only the matrix products of one decode step, through the fp32 form
+    the served model uses (oneDNN on packed weights, or MKL's cpu_project
+    where torch has no oneDNN), over the real weights (each layer's fused
     q/k/v, output, gate/up and down projections, and the vocabulary
     projection): what a step cannot go below with this BLAS, whatever else it
     does. The weights are loaded once; each timing multiplies every matrix
@@ -216,22 +217,26 @@ class DecodeFloor:
         from modeld.backends.torch.backend import _build_model
 
         model = _build_model(ModelFormat.GGUF, GGUF, GGUF.parent, torch.device("cpu"), torch.float32, 2048)
+        from modeld.backends.torch.model import cpu_project, packed_project
+
         self.matrices = [w.detach() for layer in model.layers
                          for w in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13,
                                    layer.feed_forward.w2)]
-        self.matrices.append(model.output_weight().detach())
+        head = model.output_weight() if model.packed_output is None else model.packed_output
+        self.matrices.append(head.detach())
         self.params = sum(m.numel() for m in self.matrices)
+        # the product the served model runs: oneDNN's on packed weights where it packs them
+        self.project = packed_project if model.packed else cpu_project
+        self.kernel = "modeld.backends.torch.model." + ("packed_project" if model.packed else "cpu_project")
 
     def step_times(self, rows: int, repeats: int = 5) -> list[float]:
-        from modeld.backends.torch.model import cpu_project
-
         inputs = {m.shape[1]: torch.randn(rows, m.shape[1]) for m in self.matrices}
         times = []
         with torch.inference_mode():
             for _ in range(repeats):
                 start = time.perf_counter()
                 for matrix in self.matrices:
-                    cpu_project(inputs[matrix.shape[1]], matrix)
+                    self.project(inputs[matrix.shape[1]], matrix)
                 times.append(time.perf_counter() - start)
         return times
 

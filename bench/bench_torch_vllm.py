@@ -281,7 +281,7 @@ def main() -> None:
         print(f"modeld ready in {record['modeld']['start_and_load_s']:.0f} s", flush=True)
         floor = DecodeFloor()
         record["decode_floor"] = {"matrices": len(floor.matrices), "parameters": floor.params,
-                                  "kernel": "modeld.backends.torch.model.cpu_project", "dtype": "float32"}
+                                  "kernel": floor.kernel, "dtype": "float32"}
         record["rounds"] = asyncio.run(run(vllm, daemon, floor, args.rounds, args.tokens))
     finally:
         if daemon is not None:

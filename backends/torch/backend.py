@@ -69,8 +69,14 @@ class TorchBackend(Backend):
 
         if config.memory_estimate is not None:
             return config.memory_estimate
+        import torch
+
+        from modeld.backends.torch.model import packs_weights
+
         options = config.backend_options.torch
         element = 4 if options.dtype == "float32" else 2
+        # a tied vocabulary projection gets a packed copy beside the embedding (model.pack_weights)
+        packed = packs_weights(_pick_device(options.device), getattr(torch, options.dtype))
         cells = options.num_blocks * options.block_size
         readers = [(model_dir / config.artifact_path, gguf_footprint if config.format is ModelFormat.GGUF
                     else lambda _: safetensors_footprint(model_dir))]
@@ -83,7 +89,8 @@ class TorchBackend(Backend):
             except Exception:  # unreadable here: load() says why; reserve the file's size meanwhile
                 total += path.stat().st_size if path.is_file() else 0
                 continue
-            total += fp.num_params * element + 2 * fp.n_layers * cells * fp.kv_width * element
+            total += (fp.num_params + (fp.tied_head if packed else 0)) * element
+            total += 2 * fp.n_layers * cells * fp.kv_width * element
         return total
 
     def load(self, config: ModelConfig, model_dir: Path) -> TorchGenerativeModel:
@@ -200,7 +207,9 @@ def _build_model(fmt: ModelFormat, path: Path, model_dir: Path, device, dtype, c
     missing, unexpected = model.load_weights(state)
     if missing or unexpected:
         raise LoadFailed(f"checkpoint does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    model.pack_weights()  # fp32 on the CPU only; a no-op elsewhere
+    return model
 
 
 def _compile(model, k_caches, v_caches, block_size: int, device) -> bool:
@@ -239,8 +248,6 @@ class TorchGenerativeModel(GenerativeModel):
     def __init__(self, config: ModelConfig, model_dir: Path) -> None:
         import torch
 
-        from modeld.backends.torch.model import tensor_bytes
-
         options = config.backend_options.torch
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[options.dtype]
         threads = options.threads
@@ -271,7 +278,7 @@ class TorchGenerativeModel(GenerativeModel):
         self.runner.chat_template = template
         if options.compile:
             _compile(self.model, self.runner.k_caches, self.runner.v_caches, block_size, device)
-        self.nbytes = tensor_bytes(self.model.parameters()) + self.runner.kv_bytes
+        self.nbytes = self.model.weight_bytes() + self.runner.kv_bytes
         self.inputs, self.outputs = TEXT_SIGNATURE
         self.device = device
         self.draft = None

@@ -22,7 +22,7 @@ class TorchDraft(DraftModel):
         self.model, self.device = model, device
         self.blocks = BlockManager(num_blocks, block_size)
         self.k_caches, self.v_caches = model.new_kv_caches(num_blocks * block_size)
-        self.nbytes = tensor_bytes(model.parameters()) + tensor_bytes(self.k_caches + self.v_caches)
+        self.nbytes = model.weight_bytes() + tensor_bytes(self.k_caches + self.v_caches)
 
     def _prepare(self, seq: Sequence, num_valid: int, num_positions: int, fresh: bool) -> bool:
         if fresh:

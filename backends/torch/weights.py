@@ -143,6 +143,7 @@ class Footprint:
     num_params: int
     n_layers: int
     kv_width: int  # n_kv_heads * head_dim
+    tied_head: int = 0  # the embedding's elements where it is also the vocabulary projection
 
 
 def gguf_footprint(path: Path) -> Footprint:
@@ -151,23 +152,27 @@ def gguf_footprint(path: Path) -> Footprint:
     n_heads = int(reader.get(f"{arch}.attention.head_count"))
     n_kv = int(reader.get(f"{arch}.attention.head_count_kv", n_heads))
     dim = int(reader.get(f"{arch}.embedding_length"))
-    return Footprint(num_params=sum(t.n_elements for t in reader.tensors),
-                     n_layers=int(reader.get(f"{arch}.block_count")), kv_width=n_kv * (dim // n_heads))
+    sizes = {t.name: t.n_elements for t in reader.tensors}
+    return Footprint(num_params=sum(sizes.values()), n_layers=int(reader.get(f"{arch}.block_count")),
+                     kv_width=n_kv * (dim // n_heads),
+                     tied_head=0 if "output.weight" in sizes else sizes.get("token_embd.weight", 0))
 
 
 def safetensors_footprint(model_dir: Path) -> Footprint:
     from safetensors import safe_open
 
     config = json.loads((model_dir / "config.json").read_text())
-    num_params = 0
+    sizes: dict[str, int] = {}
     for file in model_dir.glob("*.safetensors"):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                num_params += int(np.prod(f.get_slice(name).get_shape()))
+                sizes[name] = int(np.prod(f.get_slice(name).get_shape()))
     n_heads = config["num_attention_heads"]
     head_dim = config["hidden_size"] // n_heads  # as ModelArgs.head_dim
-    return Footprint(num_params=num_params, n_layers=config["num_hidden_layers"],
-                     kv_width=config.get("num_key_value_heads", n_heads) * head_dim)
+    tied = config.get("tie_word_embeddings", "lm_head.weight" not in sizes)  # as load_safetensors decides
+    return Footprint(num_params=sum(sizes.values()), n_layers=config["num_hidden_layers"],
+                     kv_width=config.get("num_key_value_heads", n_heads) * head_dim,
+                     tied_head=sizes.get("model.embed_tokens.weight", 0) if tied else 0)
 
 
 def load_safetensors(model_dir: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:

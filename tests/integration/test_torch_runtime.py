@@ -86,9 +86,39 @@ def test_the_default_runtime_is_compiled(runtime):
     assert runtime.model.compiled and runtime.draft.model.compiled
 
 
+def test_fp32_weights_on_the_cpu_are_packed_for_onednn(runtime):
+    # every test below then runs the packed products; a model that silently kept
+    # plain weights would pass them on the slower path
+    for model in (runtime.model, runtime.draft.model):
+        assert model.packed
+        layer = model.layers[0]
+        assert all(w.is_mkldnn for w in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13,
+                                         layer.feed_forward.w2))
+        # SmolLM2 ties its vocabulary projection: the lookup keeps the plain
+        # matrix, the projection reads a packed copy of it
+        assert model.output is None and not model.tok_embeddings.weight.is_mkldnn
+        assert model.packed_output.is_mkldnn and model.packed_output.shape == model.tok_embeddings.weight.shape
+
+
+def test_the_packed_product_is_the_plain_one():
+    from modeld.backends.torch.model import cpu_project, pack_weight, packed_project
+
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64)
+    packed = pack_weight(weight)
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 64)
+        assert torch.allclose(packed_project(x, packed), x @ weight.t(), atol=1e-4)
+        assert torch.allclose(packed_project(x, packed), cpu_project(x, weight), atol=1e-4)
+
+
 def test_the_memory_estimate_is_what_the_load_reports(runtime):
-    # weights and KV pools of target and draft, read from the GGUF headers before loading
-    assert TorchBackend().estimate_bytes(_config(), MODELS / "smollm2-torch") == runtime.nbytes
+    # weights (the packed copy of a tied projection included) and KV pools of
+    # target and draft, read from the GGUF headers before loading
+    expected = TorchBackend().estimate_bytes(_config(), MODELS / "smollm2-torch")
+    assert expected == runtime.nbytes
+    vocab, dim = runtime.model.tok_embeddings.weight.shape
+    assert runtime.model.weight_bytes() == 4 * (sum(p.numel() for p in runtime.model.parameters()) + vocab * dim)
 
 
 def test_alone_matches_transformers(runtime, reference):
