@@ -12,12 +12,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 bench = pytest.importorskip("bench_torch_vllm")
 
 
-def _side(rate: float, text: str = "t") -> dict:
-    return {"tokens_per_s": rate, "ttft_p50_ms": 100.0, "texts": [text]}
+def _side(rate: float, text: str = "t", ttft: float = 100.0) -> dict:
+    return {"tokens_per_s": rate, "ttft_p50_ms": ttft, "texts": [text]}
 
 
-def _round(modeld: float, vllm: float, floor: float) -> dict:
-    scenario = {"modeld": _side(modeld), "vllm": _side(vllm)}
+def _round(modeld: float, vllm: float, floor: float, ttfts: tuple[float, float] = (100.0, 100.0)) -> dict:
+    scenario = {"modeld": _side(modeld, ttft=ttfts[0]), "vllm": _side(vllm, ttft=ttfts[1])}
     ceiling = {"tokens_per_s": floor}
     return {"streams8": scenario, "streams1": dict(scenario),
             "ceiling": {"streams8": ceiling, "streams1": ceiling}}
@@ -34,3 +34,12 @@ def test_the_goal_is_placed_against_the_floor_at_vllms_own_fraction():
     assert ratios["streams8"]["ratio"] == pytest.approx(75 / 70) and not ratios["streams8"]["met"]
     assert agreement["streams8"] == {"identical_texts": 3, "of": 3}
     assert medians["streams1"]["modeld"]["tokens_per_s"] == 75
+
+
+def test_the_first_token_goal_is_the_median_of_the_rounds_ratios_and_lower_is_better():
+    rounds = [_round(1, 1, 1, (50, 100)), _round(1, 1, 1, (90, 100)), _round(1, 1, 1, (120, 100))]
+    ttft = bench.summarise(rounds)[1]["streams1"]["ttft"]
+    assert ttft["rounds"] == [0.5, 0.9, 1.2]
+    assert ttft["ratio"] == pytest.approx(0.9) and ttft["met"] and ttft["goal"] == "<= 1.0"
+    slower = [_round(1, 1, 1, (110, 100))] * 3
+    assert not bench.summarise(slower)[1]["streams1"]["ttft"]["met"]
