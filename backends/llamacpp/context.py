@@ -46,11 +46,39 @@ def omp_defaults(environ) -> None:
     environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def _llama():
-    omp_defaults(os.environ)
-    import llama_cpp
+_LLAMA = None
 
-    return llama_cpp
+
+def _llama():
+    """llama_cpp, imported after omp_defaults. Kept once imported: a step
+    calls this several times, and each omp_defaults reads and encodes the
+    environment again."""
+    global _LLAMA
+    if _LLAMA is None:
+        omp_defaults(os.environ)
+        import llama_cpp
+
+        _LLAMA = llama_cpp
+    return _LLAMA
+
+
+_LOGITS_VIEWS: dict[tuple[int, int, int], np.ndarray] = {}
+
+
+def logits_rows(llama, ctx, num_out: int, vocab: int) -> np.ndarray:
+    """[num_out, vocab] float32 view of the context's logits buffer, read in
+    place. np.ctypeslib.as_array builds its array interface anew on every
+    call (tens of microseconds a step); llama.cpp keeps the buffer where it
+    is until it has to grow it, so a view is made once per address and
+    shape. The next decode overwrites what it shows."""
+    pointer = llama.llama_get_logits(ctx)
+    key = (ctypes.addressof(pointer.contents), num_out, vocab)
+    view = _LOGITS_VIEWS.get(key)
+    if view is None:
+        if len(_LOGITS_VIEWS) >= 64:  # contexts come and go with loads: keep the map small
+            _LOGITS_VIEWS.clear()
+        view = _LOGITS_VIEWS[key] = np.ctypeslib.as_array(pointer, shape=(num_out, vocab))
+    return view
 
 
 _LOG_SINK = None
@@ -251,7 +279,7 @@ class LlamaContext:
             self.submit(chunk)
             num_out = sum(1 for item in chunk if item[3])
             if num_out:
-                rows = np.ctypeslib.as_array(llama.llama_get_logits(self.ctx), shape=(num_out, vocab))
+                rows = logits_rows(llama, self.ctx, num_out, vocab)
                 # the buffer is llama.cpp's and the next decode overwrites it
                 outputs.append(rows.argmax(axis=1) if argmax_only else rows.copy())
                 if argmax_only:

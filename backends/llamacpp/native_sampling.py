@@ -196,7 +196,7 @@ def decode_picking(context, items: list[tuple[int, int, int, bool]], picks: list
     by it). Returns (tokens [wanted rows] int64, -1 where
     copied; logits [copied rows, vocab] float32), both in items' order.
     """
-    from modeld.backends.llamacpp.context import _llama
+    from modeld.backends.llamacpp.context import _llama, logits_rows
 
     llama = _llama()
     vocab = context.model.vocab_size
@@ -213,7 +213,7 @@ def decode_picking(context, items: list[tuple[int, int, int, bool]], picks: list
         num_out = sum(1 for i in chunk if items[i][3])
         if not num_out:
             continue
-        rows = np.ctypeslib.as_array(llama.llama_get_logits(context.ctx), shape=(num_out, vocab))
+        rows = logits_rows(llama, context.ctx, num_out, vocab)
         out = 0
         for position, i in enumerate(chunk):
             if not items[i][3]:
