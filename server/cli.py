@@ -182,7 +182,7 @@ def serve(args) -> int:
     flags["insecure"] = args.insecure
     flags["chat_templates"] = args.chat_templates
     return _run_until_signalled(lambda: load_settings(flags, config_file=args.config), ConfigError, Daemon,
-                                loop="asyncio")
+                                loop="uvloop")
 
 
 def make_token(role: str) -> int:
@@ -228,7 +228,7 @@ def _run_until_signalled(load_settings, config_error: type[Exception], server, l
     print(f"modeld: {settings.describe()}", file=sys.stderr, flush=True)
     from modeld.server.event_loop import run
 
-    # `loop`: the default, MODELD_EVENT_LOOP overrides it (server/event_loop.py says why the daemon's is asyncio)
+    # `loop`: the default, MODELD_EVENT_LOOP overrides it (server/event_loop.py)
     run(server(settings).run_until_signalled(), default=loop)
     return 0
 

@@ -2,12 +2,12 @@
 
 uvloop (libuv) where it is installed costs less CPU per wake-up, callback
 and socket write than asyncio's pure-Python selector loop, and every
-generated token crosses a loop a few times. The gateway and the workers
-run on it by default. The daemon runs on the standard loop by default:
-with the daemon on uvloop, a worker process it started died with SIGSEGV
-while loading about one start in ten on a busy machine (0 in 30 on the
-standard loop, the same tests). MODELD_EVENT_LOOP=uvloop or =asyncio
-overrides the default for every process that reads it.
+generated token crosses a loop a few times: the daemon, the gateway and
+the workers run on it by default. (The daemon starts its workers with
+subprocess.Popen, not the loop's subprocess_exec, whose libuv spawn left
+a worker dead of SIGSEGV about one start in twenty: workers/stand_in.py.)
+MODELD_EVENT_LOOP=uvloop or =asyncio overrides the default for every
+process that reads it.
 """
 
 from __future__ import annotations
