@@ -222,8 +222,7 @@ class DecodeFloor:
         self.matrices = [w.detach() for layer in model.layers
                          for w in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13,
                                    layer.feed_forward.w2)]
-        head = model.output_weight() if model.packed_output is None else model.packed_output
-        self.matrices.append(head.detach())
+        self.matrices.append(model.head_weight().detach())
         self.params = sum(m.numel() for m in self.matrices)
         # the product the served model runs: oneDNN's on packed weights where it packs them
         self.project = packed_project if model.packed else cpu_project

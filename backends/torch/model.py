@@ -335,6 +335,11 @@ class Transformer(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output
 
+    def head_weight(self) -> torch.Tensor:
+        """The vocabulary projection's weight as the forward pass multiplies
+        it: a tied one's packed copy where there is one."""
+        return self.output_weight() if self.packed_output is None else self.packed_output
+
     def forward(self, batch: StepBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                 lora: list[LayerLora] | None = None) -> torch.Tensor:
         """-> logits [len(batch.logit_rows), vocab] float32. lora: per layer,
@@ -359,5 +364,4 @@ class Transformer(nn.Module):
             x = self.run_layer(layer, x, cos, sin, batch, k_cache, v_cache, project,
                                None if lora is None else lora[i])
         # only the rows that need logits go through the vocabulary projection
-        head = self.output_weight() if self.packed_output is None else self.packed_output
-        return project(self.norm(x[batch.logit_rows]), head).float()
+        return project(self.norm(x[batch.logit_rows]), self.head_weight()).float()
