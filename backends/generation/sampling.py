@@ -77,6 +77,11 @@ def truncates(params: SamplingParams, vocab: int) -> bool:
 
 
 _BLOCK = 256  # weights per block of the two-level search: about the square root of a 49,152-token vocabulary
+# the largest logits draw_whole takes exp of as they are: up to 80 neither a
+# weight (float32's exp overflows past 88.7) nor a block's float32 total
+# (256 * e^80, about 1.4e37 against float32's 3.4e38) overflows, and from
+# -27 the largest weight stays far above the subnormal range
+_LOW_TOP, _HIGH_TOP = -27.0, 80.0
 
 
 def draw_whole(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
@@ -84,35 +89,45 @@ def draw_whole(logits: np.ndarray, temperature: float, rng: np.random.Generator)
     truncates, without a vocabulary-long running sum or a float64 exp:
     the softmax weights are computed in float32 (numpy's float32 exp is
     vectorised; its float64 exp is a scalar loop here, 386 against 85 us
-    over 49,152 tokens) and summed in float64, and one uniform draw is
-    scaled by their total rather than every weight divided by it. The draw
-    is found in two levels, the running sum of per-block totals and then
-    the running sum inside the one block it falls in: a cumulative sum is
-    one serial pass that numpy cannot vectorise, block totals are. The same
+    over 49,152 tokens), and one uniform draw is scaled by their total
+    rather than every weight divided by it. The draw is found in two
+    levels, the running sum of per-block totals and then the running sum
+    inside the one block it falls in: a cumulative sum is one serial pass
+    that numpy cannot vectorise, block totals are. Blocks are summed in
+    float32 (numpy sums pairwise: rounding of the order of the weights'
+    own), their running sum in float64. At temperature 1 with the largest
+    logit in [_LOW_TOP, _HIGH_TOP] the weights are exp(logit) itself, not
+    exp(logit - max): the same draw, since only their ratios count, and one
+    pass over the row less (a weight that underflows to zero is under e^-60
+    of the largest one's, far below float32's resolution). The same
     generator step as draw; the two differ only where a draw lands within
-    float32 rounding of a boundary between two tokens. `logits` may be a
-    view of a runtime's own buffer (WholeDraw): it is only read. The buffer
-    is the thread's (a fresh array a row is an allocation and its page
-    faults), padded to whole blocks with zero weights."""
+    float32 rounding of a boundary between two tokens. `logits` may be a view of a runtime's
+    own buffer (WholeDraw): it is only read. The buffer is the thread's (a
+    fresh array a row is an allocation and its page faults), padded to
+    whole blocks with zero weights."""
     vocab = logits.shape[0]
     scratch = getattr(_SCRATCH, "buffer", None)
     if scratch is None or getattr(_SCRATCH, "vocab", None) != vocab:
         scratch = _SCRATCH.buffer = np.zeros(-(-vocab // _BLOCK) * _BLOCK, dtype=np.float32)
         _SCRATCH.vocab = vocab
     weights = scratch[:vocab]  # the padding past it stays 0 and is never picked
-    np.subtract(logits, logits.max(), out=weights)
-    if temperature != 1.0:
-        weights /= np.float32(temperature)
-    np.exp(weights, out=weights)
-    running = np.cumsum(scratch.reshape(-1, _BLOCK).sum(axis=1, dtype=np.float64))
+    top = logits.max()
+    if temperature == 1.0 and _LOW_TOP <= top <= _HIGH_TOP:
+        np.exp(logits, out=weights)
+    else:
+        np.subtract(logits, top, out=weights)
+        if temperature != 1.0:
+            weights /= np.float32(temperature)
+        np.exp(weights, out=weights)
+    running = np.cumsum(scratch.reshape(-1, _BLOCK).sum(axis=1), dtype=np.float64)
     target = rng.random() * running[-1]
     block = min(int(running.searchsorted(target, side="right")), running.shape[0] - 1)
     if block:
         target -= running[block - 1]
     start = block * _BLOCK
     inner = np.cumsum(scratch[start:start + _BLOCK], dtype=np.float64)
-    # a target at or past the block's running total (the two float64 sums
-    # round apart) stays in the block
+    # a target at or past the block's running total (the float32 block sum
+    # and the float64 sum inside it round apart) stays in the block
     picked = start + min(int(inner.searchsorted(target, side="right")), _BLOCK - 1)
     if picked >= vocab or scratch[picked] == 0.0:
         # a target that lands on a masked token or the padding past the

@@ -36,6 +36,19 @@ def test_whole_vocabulary_draw_picks_what_the_filtered_path_picks(temperature):
     assert ours.random() == reference.random()
 
 
+@pytest.mark.parametrize("shift", [-60.0, -20.0, 0.0, 70.0, 100.0])
+def test_whole_vocabulary_draw_is_the_same_wherever_the_logits_lie(shift):
+    # at temperature 1 a row whose largest logit is moderate is drawn from
+    # exp(logit) as it is, others from exp(logit - max): both pick what the
+    # filtered path picks, with no overflow at the top or underflow below
+    params = SamplingParams(temperature=1.0, max_tokens=1)
+    logits = (np.random.default_rng(7).standard_normal(49152) * 4 + shift).astype(np.float32)
+    ours, reference = np.random.default_rng(17), np.random.default_rng(17)
+    picked = [draw_whole(logits, 1.0, ours) for _ in range(300)]
+    assert picked == [draw(probabilities(logits, params), reference) for _ in range(300)]
+    assert len(set(picked)) > 1
+
+
 def test_sample_rows_takes_the_whole_vocabulary_path_only_without_filters():
     vocab = 49152
     assert not truncates(SamplingParams(temperature=1.0, max_tokens=1), vocab)
