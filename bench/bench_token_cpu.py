@@ -8,9 +8,11 @@ Three parts (all by default; `--only unit`, `--only daemon` or `--only sampling`
           model that costs nothing (a StepExecutor whose run returns
           preallocated zero logits over SmolLM2's 49,152-token vocabulary):
           wall microseconds per step and per token at 1, 16 and 32
-          sequences, greedy, streams consumed on the event loop. What is
-          left is the loop's own work per token: scheduling, sampling,
-          detokenising, events.
+          sequences, greedy, streams consumed on the event loop, hot and
+          cold (each step first reads 150 MiB, as a decode reads the
+          weights, which evicts the loop's code and data from the caches;
+          the read itself is left out). What is left is the loop's own
+          work per token: scheduling, sampling, detokenising, events.
   daemon  a real `modeld serve` with SmolLM2 (llama.cpp, in its worker
           process) and N concurrent OpenAI chat streams (1, 8, 32;
           ignore_eos, greedy, --tokens each). Each thread's CPU comes from
@@ -78,9 +80,19 @@ PROMPTS = [
 
 # -- unit: the loop with a zero-cost model -----------------------------------------------
 
-def unit_bench(sequences: int, tokens: int, repeats: int = 3) -> dict:
+# bytes a cold step streams through the caches: about SmolLM2's Q8_0 GGUF,
+# what a real decode reads before the loop's Python runs again
+COLD_BYTES = 150 * 2**20
+
+
+def unit_bench(sequences: int, tokens: int, repeats: int = 3, cold: bool = False) -> dict:
     """Wall time per step of the generation loop over `sequences` greedy
-    streams of `tokens` tokens each, with a model that costs nothing."""
+    streams of `tokens` tokens each, with a model that costs nothing.
+
+    cold: each step first reads COLD_BYTES (as a decode reads the weights),
+    which evicts the loop's code and objects from the caches; the read's
+    own time and CPU are left out of the figures, so what differs from the
+    hot run is the loop's work re-fetched from memory each step."""
     import numpy as np
 
     from modeld.backends.generation.executor import StepExecutor
@@ -94,8 +106,15 @@ def unit_bench(sequences: int, tokens: int, repeats: int = 3) -> dict:
         def __init__(self) -> None:
             self.logits = np.zeros((512, SMOLLM2_VOCAB), dtype=np.float32)
             self.logits[:, 1] = 1.0  # every row's argmax: token 1, never an end of generation
+            self.weights = np.ones(COLD_BYTES // 4, dtype=np.float32) if cold else None
+            self.read_s = self.read_cpu_s = 0.0  # the cold reads' own, left out
 
         def run(self, plan):
+            if self.weights is not None:
+                wall, cpu = time.perf_counter(), time.thread_time()
+                self.weights.sum()
+                self.read_s += time.perf_counter() - wall
+                self.read_cpu_s += time.thread_time() - cpu
             return self.logits[:sum(w.num_logits for w in plan.work)]
 
         def tokenize(self, text, add_special=True):
@@ -121,7 +140,8 @@ def unit_bench(sequences: int, tokens: int, repeats: int = 3) -> dict:
 
     async def once() -> tuple[float, int, int, float]:
         scheduler = SlotScheduler(SlotConfig(num_slots=sequences, kv_capacity=sequences * 1024, context_length=1024))
-        loop = GenerationLoop(runner=ZeroCostRunner(), scheduler=scheduler)
+        runner = ZeroCostRunner()
+        loop = GenerationLoop(runner=runner, scheduler=scheduler)
         loop.start()
         try:
             cpu, start = time.process_time(), time.perf_counter()
@@ -129,12 +149,12 @@ def unit_bench(sequences: int, tokens: int, repeats: int = 3) -> dict:
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         finally:
             await loop.stop()
-        return wall, loop.step_counts.steps, sum(counts), cpu
+        return wall - runner.read_s, loop.step_counts.steps, sum(counts), cpu - runner.read_cpu_s
 
     runs = [asyncio.run(once()) for _ in range(repeats)]
     best = min(runs)  # the least disturbed run: this machine is shared
     wall, steps, count, cpu = best
-    return {"sequences": sequences, "tokens_per_sequence": tokens, "steps": steps, "tokens": count,
+    return {"sequences": sequences, "tokens_per_sequence": tokens, "cold": cold, "steps": steps, "tokens": count,
             "us_per_step": wall / steps * 1e6, "us_per_token": wall / count * 1e6,
             "cpu_us_per_token": cpu / count * 1e6,
             "us_per_step_runs": [r[0] / r[1] * 1e6 for r in runs]}
@@ -623,10 +643,11 @@ def main() -> None:
     if path.exists():  # a part run alone keeps the other's figures
         record = {**json.loads(path.read_text()), **record}
     if args.only in (None, "unit"):
-        record["unit"] = [unit_bench(n, 128) for n in (1, 16, 32)]
+        record["unit"] = [unit_bench(n, 128, cold=cold) for cold in (False, True) for n in (1, 16, 32)]
         for row in record["unit"]:
-            print(f"zero-cost model, {row['sequences']} sequences: {row['us_per_step']:.0f} us/step, "
-                  f"{row['us_per_token']:.1f} us/token", flush=True)
+            print(f"zero-cost model, {row['sequences']} sequences{', cold' if row['cold'] else ''}: "
+                  f"{row['us_per_step']:.0f} us/step, {row['us_per_token']:.1f} us/token, "
+                  f"{row['cpu_us_per_token']:.1f} us CPU/token", flush=True)
     if args.only in (None, "sampling"):
         record["sampling"] = sampling_bench()
     if args.only in (None, "daemon"):
