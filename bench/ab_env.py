@@ -1,7 +1,7 @@
 """One model (smollm2-torch, or smollm2 on llama.cpp with --model smollm2)
 under two or more process settings, each side alone on the machine: one
 daemon per side, all up at once, and while one side runs its 8 greedy
-streams x 64 tokens the other daemons and their workers are stopped
+streams x 64 tokens (--streams, --tokens) the other daemons and their workers are stopped
 (SIGSTOP), so an idle side's spinning threads (OMP_WAIT_POLICY=ACTIVE)
 cannot take the cores of the side being timed. Sides run in an order that
 rotates between rounds; the first round is a warm-up, unrecorded.
@@ -101,7 +101,9 @@ async def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--model", default="smollm2-torch", choices=("smollm2-torch", "smollm2"))
     parser.add_argument("--hog", type=int, default=0, help="busy processes beside the side being timed")
+    parser.add_argument("--streams", type=int, default=8, help="concurrent streams (1 to 8)")
     args = parser.parse_args()
+    prompts = PROMPTS[:max(1, min(args.streams, len(PROMPTS)))]
     model = args.model
     sides = args.sides.split(",")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -134,8 +136,8 @@ async def main() -> None:
                     proc.start()
                 try:
                     started = time.perf_counter()
-                    await asyncio.gather(*(stream(stub, p) for p in PROMPTS))
-                    rate = len(PROMPTS) * args.tokens / (time.perf_counter() - started)
+                    await asyncio.gather(*(stream(stub, p) for p in prompts))
+                    rate = len(prompts) * args.tokens / (time.perf_counter() - started)
                 finally:
                     for proc in hogs:
                         proc.kill()
