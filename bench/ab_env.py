@@ -1,10 +1,11 @@
 """One model (smollm2-torch, or smollm2 on llama.cpp with --model smollm2)
 under two or more process settings, each side alone on the machine: one
 daemon per side, all up at once, and while one side runs its 8 greedy
-streams x 64 tokens (--streams, --tokens) the other daemons and their workers are stopped
-(SIGSTOP), so an idle side's spinning threads (OMP_WAIT_POLICY=ACTIVE)
-cannot take the cores of the side being timed. Sides run in an order that
-rotates between rounds; the first round is a warm-up, unrecorded.
+streams x 64 tokens (--streams, --tokens) the other daemons and their
+workers are stopped (SIGSTOP), so an idle side's spinning threads
+(OMP_WAIT_POLICY=ACTIVE) cannot take the cores of the side being timed.
+Sides run in an order that rotates between rounds; the first round is a
+warm-up, unrecorded.
 
 --hog N runs N busy processes (a Python loop each) while a side is timed:
 the share of the cores a benchmark harness or a neighbour takes, the case

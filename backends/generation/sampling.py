@@ -101,10 +101,10 @@ def draw_whole(logits: np.ndarray, temperature: float, rng: np.random.Generator)
     pass over the row less (a weight that underflows to zero is under e^-60
     of the largest one's, far below float32's resolution). The same
     generator step as draw; the two differ only where a draw lands within
-    float32 rounding of a boundary between two tokens. `logits` may be a view of a runtime's
-    own buffer (WholeDraw): it is only read. The buffer is the thread's (a
-    fresh array a row is an allocation and its page faults), padded to
-    whole blocks with zero weights."""
+    float32 rounding of a boundary between two tokens. `logits` may be a
+    view of a runtime's own buffer (WholeDraw): it is only read. The buffer
+    is the thread's (a fresh array a row is an allocation and its page
+    faults), padded to whole blocks with zero weights."""
     vocab = logits.shape[0]
     scratch = getattr(_SCRATCH, "buffer", None)
     if scratch is None or getattr(_SCRATCH, "vocab", None) != vocab:
