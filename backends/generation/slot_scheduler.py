@@ -80,7 +80,8 @@ class SlotScheduler(BaseScheduler):
             work.append(self._chunk(seq, prefill))
             prefill -= len(work[-1].token_ids)
         quota = self._admission_quota()
-        while quota > 0 and prefill > 0 and (seq := self._next_waiting()) is not None and self._admit(seq):
+        round_wants = self._filling_round(quota)
+        while quota > 0 and prefill > 0 and (seq := self._next_waiting()) is not None and self._admit(seq, round_wants):
             work.append(self._chunk(seq, prefill))
             prefill -= len(work[-1].token_ids)
             quota -= 1
@@ -93,14 +94,28 @@ class SlotScheduler(BaseScheduler):
         wants_logits = len(chunk) == len(remaining)
         return SlotWork(seq.seq_id, seq.num_computed, chunk, 1 if wants_logits else 0, 0, seq.slot)
 
-    def _admit(self, seq: Sequence) -> bool:
+    def _filling_round(self, quota: int) -> dict[int, int] | None:
+        """When the waiting sequences this step may start take every empty
+        slot (a burst of concurrent requests), the cached slots their
+        prompts reuse (SlotPool.wanted_by); else None. A round the prompt
+        budget cuts short leaves the block split until the next step's
+        admissions close it."""
+        empty = len(self.slots.free) + len(self.slots.cached)
+        if not empty:
+            return None
+        starting = [s for s in self.waiting if not s.is_cancelled and not self._waits_for_prefix(s)][:min(quota, empty)]
+        if len(starting) < empty:
+            return None
+        return self.slots.wanted_by(s.prompt_ids for s in starting if s.params.cache_prompt)
+
+    def _admit(self, seq: Sequence, round_wants: dict[int, int] | None = None) -> bool:
         free = self.config.kv_capacity - self.num_reserved_cells - self.slots.num_cached_cells
         while free < seq.num_reserved and self.slots.cached:
             self._pending_ops.extend(self.slots.evict_lru())
             free = self.config.kv_capacity - self.num_reserved_cells - self.slots.num_cached_cells
         if free < seq.num_reserved or not self.slots.can_grant():
             return False
-        grant = self.slots.grant(seq.prompt_ids, seq, seq.params.cache_prompt)
+        grant = self.slots.grant(seq.prompt_ids, seq, seq.params.cache_prompt, round_wants)
         self._pending_ops.extend(grant.ops)
         seq.slot, seq.num_computed, seq.num_cached_prompt = grant.slot, grant.num_reused, grant.num_reused
         self._start(seq)

@@ -84,6 +84,10 @@ class SlotPool:
         # kv_block_hashes' memo, touched only by its reader: slot -> (the
         # token list hashed, its block hashes so far)
         self._hashed: dict[int, tuple[list[int], list[int]]] = {}
+        # the round the grant in progress belongs to, when that round takes
+        # every empty slot (see grant): cached slot -> the most prompt tokens
+        # a sequence of the round reuses there; None outside such a round
+        self._round: dict[int, int] | None = None
 
     @property
     def num_cached_cells(self) -> int:
@@ -132,10 +136,37 @@ class SlotPool:
     def can_grant(self) -> bool:
         return bool(self.free or self.cached)
 
-    def grant(self, prompt: list[int], user: SlotUser, use_cache: bool) -> SlotGrant:
+    def grant(self, prompt: list[int], user: SlotUser, use_cache: bool,
+              round_wants: dict[int, int] | None = None) -> SlotGrant:
         """A slot for a new sequence (only when can_grant()): one that keeps
         the active slots in as few runs as possible, reusing the longest
-        prefix it can get there."""
+        prefix it can get there.
+
+        `round_wants` (from wanted_by): this grant is one of a round of new
+        sequences that takes every empty slot, so the active slots end as
+        one block wherever each goes. A cached prefix is then taken over in
+        place wherever it lies, rather than recomputed next to the block;
+        a slot whose prefix another sequence of the round reuses further
+        is neither taken over nor given to a sequence that reuses nothing.
+        Nor is a cached conversation's history spared for a free slot: the
+        round takes the free slots too."""
+        self._round = round_wants
+        try:
+            return self._grant(prompt, user, use_cache)
+        finally:
+            self._round = None
+
+    def wanted_by(self, prompts: Iterable[list[int]]) -> dict[int, int]:
+        """For a round of new sequences' prompts: each cached slot that holds
+        the longest prefix of one of them, and the most tokens reused there."""
+        wanted: dict[int, int] = {}
+        for prompt in prompts:
+            best = max(((n, slot) for slot, n in self._reusable_cached(prompt).items()), default=None)
+            if best is not None:
+                wanted[best[1]] = max(wanted.get(best[1], 0), best[0])
+        return wanted
+
+    def _grant(self, prompt: list[int], user: SlotUser, use_cache: bool) -> SlotGrant:
         reusable = self._reusable(prompt) if use_cache else {}
         fewest = min(self._splits(s) for s in (*self.free, *self.cached))
         # a cached prefix in a slot that does not split the block is taken over
@@ -145,9 +176,12 @@ class SlotPool:
         # comes back for; the prefix is copied into the free slot instead.
         # (Taken over in place, 24 conversations over 3 system prompts kept
         # 3 histories a node whatever its slots: 0.8 of the ideal cache hits.)
+        wanted = self._round or {}
         in_place = max(((n, -rank, slot) for rank, slot in enumerate(self.cached)
                         if (n := reusable.get(slot, 0)) and self._splits(slot) == fewest
-                        and (not self.free or len(self.cached[slot]) - n < KV_BLOCK_TOKENS)), default=None)
+                        and n >= wanted.get(slot, 0)
+                        and (not self.free or self._round is not None
+                             or len(self.cached[slot]) - n < KV_BLOCK_TOKENS)), default=None)
         src, longest = max(reusable.items(), key=lambda item: item[1], default=(-1, 0))
         kept = in_place[0] if in_place else 0
         if in_place and longest - kept < self.min_copy:
@@ -166,17 +200,23 @@ class SlotPool:
 
     def _reusable(self, prompt: list[int]) -> dict[int, int]:
         """Prompt tokens each slot could supply, for slots with any."""
-        limit = len(prompt) - 1  # at least one prompt token must be fed to get logits
-        found = {}
-        for slot, tokens in self.cached.items():
-            found[slot] = min(common_prefix(tokens, prompt), limit)
+        found = self._reusable_cached(prompt)
+        limit = len(prompt) - 1
         for slot, other in self.active.items():
             # only tokens whose KV is already computed can be shared
             found[slot] = min(common_prefix(other.token_ids[:other.num_computed], prompt), limit)
         return {slot: n for slot, n in found.items() if n > 0}
 
+    def _reusable_cached(self, prompt: list[int]) -> dict[int, int]:
+        limit = len(prompt) - 1  # at least one prompt token must be fed to get logits
+        found = {slot: min(common_prefix(tokens, prompt), limit) for slot, tokens in self.cached.items()}
+        return {slot: n for slot, n in found.items() if n > 0}
+
     def _splits(self, slot: int) -> int:
-        """How many more runs the active slots would form with `slot` among them."""
+        """How many more runs the active slots would form with `slot` among
+        them (none in a round that fills every slot: see grant)."""
+        if self._round is not None:
+            return 0
         return 1 - (slot - 1 in self.active) - (slot + 1 in self.active)
 
     def _placement(self, keep: int | None) -> int:
@@ -185,8 +225,9 @@ class SlotPool:
         then the least recently used cached one. `keep`: a cached slot not to
         evict (the prefix about to be copied)."""
         lru = {slot: rank for rank, slot in enumerate(self.cached)}
+        wanted = self._round or {}
         candidates = [*self.free, *(s for s in self.cached if s != keep)]
-        return min(candidates, key=lambda s: (self._splits(s), s in lru, lru.get(s, 0), s))
+        return min(candidates, key=lambda s: (self._splits(s), s in wanted, s in lru, lru.get(s, 0), s))
 
     def _take(self, slot: int) -> tuple[KvOp, ...]:
         if slot in self.cached:

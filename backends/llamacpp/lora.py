@@ -66,10 +66,13 @@ class AdapterSlotPool(SlotPool):
         self.slot_adapter: dict[int, int] = {}
         self._granting = BASE  # the adapter of the sequence grant() is placing
 
-    def grant(self, prompt: list[int], user, use_cache: bool):
+    def grant(self, prompt: list[int], user, use_cache: bool, round_wants: dict[int, int] | None = None):
+        # round_wants comes only for rounds of the base's sequences alone
+        # (AdapterSlotScheduler._filling_round): with adapters in play, each
+        # adapter's slots form runs of their own however full the pool is
         self._granting = self.adapter_for(user)
         try:
-            grant = super().grant(prompt, user, use_cache)
+            grant = super().grant(prompt, user, use_cache, round_wants)
         finally:
             adapter, self._granting = self._granting, BASE
         if adapter == BASE:
@@ -83,7 +86,13 @@ class AdapterSlotPool(SlotPool):
         return {slot: n for slot, n in super()._reusable(prompt).items()
                 if self.slot_adapter.get(slot, BASE) == self._granting}
 
+    def _reusable_cached(self, prompt: list[int]) -> dict[int, int]:
+        return {slot: n for slot, n in super()._reusable_cached(prompt).items()
+                if self.slot_adapter.get(slot, BASE) == self._granting}
+
     def _splits(self, slot: int) -> int:
+        if self._round is not None:  # a round of the base's sequences that fills every slot
+            return 0
         # one llama_decode per adapter: a slot joins the run of its own adapter's slots
         return 1 - self._same_adapter(slot - 1) - self._same_adapter(slot + 1)
 
@@ -176,6 +185,10 @@ class AdapterSlotScheduler(SlotScheduler):
                 self._last_group, work = group, plan.work
                 break
         return StepPlan(kv_ops, work)
+
+    def _filling_round(self, quota: int) -> dict[int, int] | None:
+        # only the base's sequences live: one run whatever the placement, once every slot is taken
+        return super()._filling_round(quota) if not self.adapter_of else None
 
     def _groups(self) -> list[int]:
         """The adapter sets with live sequences, in id order (0, the base, first)."""

@@ -13,10 +13,15 @@ from modeld.backends.generation.params import FinishReason, SamplingParams
 from modeld.backends.generation.slot_scheduler import SlotConfig, SlotScheduler
 from modeld.backends.generation.sequence import Sequence
 from modeld.backends.generation.slots import slot_runs
+from modeld.backends.llamacpp.lora import AdapterSlotScheduler
+from modeld.backends.model_config import LoraSettings
 
 
-def _scheduler() -> SlotScheduler:
-    return SlotScheduler(SlotConfig(num_slots=8, kv_capacity=16384, context_length=2048))
+def _scheduler(kind: str = "slots") -> SlotScheduler:
+    config = SlotConfig(num_slots=8, kv_capacity=16384, context_length=2048)
+    if kind == "adapters":  # llama.cpp's own: the same pool with LoRA adapters' runs kept apart
+        return AdapterSlotScheduler(config, LoraSettings())
+    return SlotScheduler(config)
 
 
 def _prompt(i: int) -> list[int]:
@@ -90,3 +95,95 @@ def test_a_cached_prefix_next_to_the_block_is_still_reused_in_place():
     assert follow.slot == 5 and follow.num_cached_prompt == len(_prompt(5))
     assert slot_runs(scheduler.slots.active) == 1
     assert not [op for op in plan.kv_ops if op.kind.value == "copy"]
+
+
+@pytest.mark.parametrize("kind", ["slots", "adapters"])
+def test_a_burst_that_fills_every_slot_reuses_each_cached_prompt_in_place(kind):
+    """The same 8 prompts again, the first alone a step ahead of the other 7
+    (as concurrent clients' requests arrive): the 7 fill every empty slot,
+    so the block ends whole wherever each goes, and each reuses its own
+    cached prompt instead of being recomputed next to the first one, where
+    it would evict another's."""
+    scheduler = _scheduler(kind)
+    prompts = [_prompt(100 + i) for i in range(8)]
+    _run(scheduler, [Sequence(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts])
+    assert len(scheduler.slots.cached) == 8
+    again = [Sequence(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts]
+    scheduler.add(again[3])
+    scheduler.schedule()  # the first request's step; its results do not matter here
+    for seq in again[:3] + again[4:]:
+        scheduler.add(seq)
+    plan = scheduler.schedule()
+    assert [s.num_cached_prompt for s in again] == [len(p) - 1 for p in prompts]
+    assert sorted(w.slot for w in plan.work) == list(range(8))
+    assert slot_runs(scheduler.slots.active) == 1
+    assert not [op for op in plan.kv_ops if op.kind.value in ("copy", "clear")]
+
+
+@pytest.mark.parametrize("kind", ["slots", "adapters"])
+def test_a_burst_smaller_than_the_empty_slots_still_keeps_one_block(kind):
+    """Two of the 8 cached prompts again, in slots apart: they do not fill
+    the pool, so the second goes next to the first (recomputed) rather
+    than splitting the block."""
+    scheduler = _scheduler(kind)
+    prompts = [_prompt(100 + i) for i in range(8)]
+    _run(scheduler, [Sequence(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts])
+    slot_of = {tuple(tokens[:len(p)]): slot for slot, tokens in scheduler.slots.cached.items() for p in prompts
+               if tokens[:len(p)] == p}
+    apart = [p for p in prompts if slot_of[tuple(p)] in (0, 4)]
+    again = [Sequence(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in apart]
+    for seq in again:
+        scheduler.add(seq)
+    scheduler.schedule()
+    assert slot_runs(scheduler.slots.active) == 1
+
+
+
+@pytest.mark.parametrize("kind", ["slots", "adapters"])
+def test_a_filling_burst_keeps_the_prefixes_its_own_sequences_reuse(kind):
+    """Prompts P0..P7 cached in slots 0..7; two unrelated requests then took
+    slots 0 and 1, and the burst's first request (P0, alone a step ahead)
+    slot 2, the least recently used. Of the 7 after it, P1 and P2 (nothing
+    cached) go to the unrelated requests' slots, not to slots whose prefix
+    another of the 7 reuses (each such eviction would cascade down the
+    burst), and a prompt sharing one token with P6, admitted before P6,
+    leaves P6's slot to P6: the three take slots 0, 1 and 7 (P7 is not in
+    the burst)."""
+    scheduler = _scheduler(kind)
+    prompts = [_prompt(100 + i) + [i] * i for i in range(8)]
+    _run(scheduler, [Sequence(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts])
+    assert {slot: tokens[:len(prompts[slot])] for slot, tokens in scheduler.slots.cached.items()} == dict(
+        enumerate(prompts))
+    _serve_unrelated(scheduler, count=2)
+    first = Sequence(prompts[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    scheduler.add(first)
+    scheduler.schedule()
+    assert first.slot == 2
+    again = {i: Sequence(prompts[i], SamplingParams(max_tokens=4, ignore_eos=True)) for i in range(1, 7)}
+    sharer = Sequence(prompts[6][:1] + [99, 98], SamplingParams(max_tokens=4, ignore_eos=True))
+    for seq in [again[1], again[2], again[3], again[4], again[5], sharer, again[6]]:
+        scheduler.add(seq)
+    plan = scheduler.schedule()
+    assert [again[i].num_cached_prompt for i in range(3, 7)] == [len(prompts[i]) - 1 for i in range(3, 7)]
+    assert {again[1].slot, again[2].slot, sharer.slot} == {0, 1, 7}
+    assert sharer.num_cached_prompt == 0
+    assert sorted(w.slot for w in plan.work) == list(range(8))
+
+
+@pytest.mark.parametrize("kind", ["slots", "adapters"])
+def test_a_filling_burst_takes_over_answered_prompts_in_place(kind):
+    """Three prompts answered alone first (each slot holds its prompt and a
+    32-token answer, more than a block past the prompt), then a burst of all
+    8 prompts: the round fills every slot, so the three are taken over in
+    place though free slots remain, instead of being recomputed beside the
+    block to spare their answers for a next turn."""
+    scheduler = _scheduler(kind)
+    prompts = [_prompt(100 + i) for i in range(8)]
+    for p in prompts[:3]:
+        _run(scheduler, [Sequence(p, SamplingParams(max_tokens=32, ignore_eos=True))])
+    burst = [Sequence(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts]
+    for seq in burst:
+        scheduler.add(seq)
+    plan = scheduler.schedule()
+    assert [s.num_cached_prompt for s in burst[:3]] == [len(p) - 1 for p in prompts[:3]]
+    assert slot_runs(scheduler.slots.active) == 1 and len(plan.work) == 8
