@@ -103,7 +103,8 @@ class SlotScheduler(BaseScheduler):
         empty = len(self.slots.free) + len(self.slots.cached)
         if not empty:
             return None
-        starting = [s for s in self.waiting if not s.is_cancelled and not self._waits_for_prefix(s)][:min(quota, empty)]
+        starting = [s for s in self.waiting
+                    if not s.is_cancelled and not self._waits_for_prefix(s)][:min(quota, empty)]
         if len(starting) < empty:
             return None
         return self.slots.wanted_by(s.prompt_ids for s in starting if s.params.cache_prompt)

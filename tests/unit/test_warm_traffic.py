@@ -187,3 +187,38 @@ def test_a_filling_burst_takes_over_answered_prompts_in_place(kind):
     plan = scheduler.schedule()
     assert [s.num_cached_prompt for s in burst[:3]] == [len(p) - 1 for p in prompts[:3]]
     assert slot_runs(scheduler.slots.active) == 1 and len(plan.work) == 8
+
+
+def test_steady_load_beyond_the_slots_keeps_one_block_and_reuses_the_system_prompt():
+    """aiperf at concurrency 32 on 8 slots: every finished request is
+    replaced at once, so each admission round fills the pool. Every step
+    must still run as one block, and each new request takes a finished
+    one's slot over with their shared system prompt."""
+    import random
+
+    rng = random.Random(0)
+    scheduler = _scheduler("adapters")
+    system = list(range(1, 31))
+    live = [Sequence(system + [rng.randrange(1000, 40000) for _ in range(110)],
+                     SamplingParams(max_tokens=16, ignore_eos=True)) for _ in range(32)]
+    for seq in live:
+        scheduler.add(seq)
+    finished = []
+    while len(finished) < 100:
+        plan = scheduler.schedule()
+        assert slot_runs(w.slot for w in plan.work) == 1
+        results = {}
+        for work in plan.work:
+            if work.num_logits:
+                seq = next(s for s in live if s.seq_id == work.seq_id)
+                done = seq.num_output + 1 >= seq.params.max_tokens
+                results[work.seq_id] = SeqResult((5,), 0, FinishReason.LENGTH if done else None)
+        scheduler.update(plan, results)
+        for seq in [s for s in live if s.finish_reason is not None]:
+            live.remove(seq)
+            finished.append(seq)
+            fresh = Sequence(system + [rng.randrange(1000, 40000) for _ in range(110)],
+                             SamplingParams(max_tokens=16, ignore_eos=True))
+            live.append(fresh)
+            scheduler.add(fresh)
+    assert all(s.num_cached_prompt == len(system) for s in finished[8:])
