@@ -221,9 +221,10 @@ class SlotPool:
 
     def _placement(self, keep: int | None) -> int:
         """The empty slot a new sequence should take: the one that adds the
-        fewest runs; then a free one before a cached one (no prefix lost);
-        then the least recently used cached one. `keep`: a cached slot not to
-        evict (the prefix about to be copied)."""
+        fewest runs; then, in a round that fills every slot, one whose prefix
+        no sequence of the round reuses; then a free one before a cached one
+        (no prefix lost); then the least recently used cached one. `keep`: a
+        cached slot not to evict (the prefix about to be copied)."""
         lru = {slot: rank for rank, slot in enumerate(self.cached)}
         wanted = self._round or {}
         candidates = [*self.free, *(s for s in self.cached if s != keep)]
