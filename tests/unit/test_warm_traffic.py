@@ -32,6 +32,18 @@ def _prompt(i: int) -> list[int]:
     return [1000 + i, 2000 + i, 3000 + i, 7, 8, 9]  # no two share a first token
 
 
+def _results(plan, seqs: list[Sequence]) -> dict[int, SeqResult]:
+    """Greedy-like fake results of one step: token 5 for every sequence
+    that asked for logits, the last one at its max_tokens."""
+    results = {}
+    for work in plan.work:
+        if work.num_logits:
+            seq = next(s for s in seqs if s.seq_id == work.seq_id)
+            done = seq.num_output + 1 >= seq.params.max_tokens
+            results[work.seq_id] = SeqResult((5,), 0, FinishReason.LENGTH if done else None)
+    return results
+
+
 def _run(scheduler: SlotScheduler, seqs: list[Sequence]) -> list[list[int]]:
     """Greedy-like fake results until every sequence ends; the slots each step decoded."""
     for seq in seqs:
@@ -39,12 +51,7 @@ def _run(scheduler: SlotScheduler, seqs: list[Sequence]) -> list[list[int]]:
     steps = []
     while scheduler.has_work():
         plan = scheduler.schedule()
-        results = {}
-        for work in plan.work:
-            if work.num_logits:
-                seq = next(s for s in seqs if s.seq_id == work.seq_id)
-                done = seq.num_output + 1 >= seq.params.max_tokens
-                results[work.seq_id] = SeqResult((5,), 0, FinishReason.LENGTH if done else None)
+        results = _results(plan, seqs)
         steps.append([w.slot for w in plan.work])
         scheduler.update(plan, results)
     return steps
@@ -208,13 +215,7 @@ def test_steady_load_beyond_the_slots_keeps_one_block_and_reuses_the_system_prom
             break
         plan = scheduler.schedule()
         assert slot_runs(w.slot for w in plan.work) == 1
-        results = {}
-        for work in plan.work:
-            if work.num_logits:
-                seq = next(s for s in live if s.seq_id == work.seq_id)
-                done = seq.num_output + 1 >= seq.params.max_tokens
-                results[work.seq_id] = SeqResult((5,), 0, FinishReason.LENGTH if done else None)
-        scheduler.update(plan, results)
+        scheduler.update(plan, _results(plan, live))
         for seq in [s for s in live if s.finish_reason is not None]:
             live.remove(seq)
             finished.append(seq)
