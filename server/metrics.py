@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import time
+from bisect import bisect_left
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -31,12 +36,11 @@ class Metrics:
         self.loads = Counter("modeld_model_loads", "Model loads by outcome", ["model", "outcome"], registry=r)
         # language models
         self.time_to_first_token = Histogram("modeld_time_to_first_token_seconds", "Arrival to first token", ["model", "backend"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.inter_token = Histogram("modeld_inter_token_seconds", "Time between tokens of one sequence", ["model", "backend"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.generated_tokens = Counter("modeld_generated_tokens", "Completion tokens produced", ["model", "backend"], registry=r)
-        self.running_sequences = Gauge("modeld_running_sequences", "Sequences in the running batch", ["model", "backend"], registry=r)
-        self.waiting_sequences = Gauge("modeld_waiting_sequences", "Sequences waiting for a slot", ["model", "backend"], registry=r)
-        self.kv_cells_used = Gauge("modeld_kv_cells_used", "KV cache cells holding tokens (running and cached)", ["model", "backend"], registry=r)
-        self.kv_cells_capacity = Gauge("modeld_kv_cells_capacity", "KV cache cells in all", ["model", "backend"], registry=r)
+        # modeld_inter_token_seconds, modeld_generated_tokens, modeld_running_sequences,
+        # modeld_waiting_sequences and modeld_kv_cells_{used,capacity}: per step and per
+        # token, kept as plain numbers (GenerationFigures) and read at scrape time
+        self.generation_figures: dict[tuple[str, str], GenerationFigures] = {}
+        r.register(_GenerationCollector(self.generation_figures))
         self.prefix_cache_hit_tokens = Counter("modeld_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", ["model", "backend"], registry=r)
         self.prompt_tokens = Counter("modeld_prompt_tokens", "Prompt tokens received", ["model", "backend"], registry=r)
         self.drafted_tokens = Counter("modeld_speculative_drafted_tokens", "Draft tokens proposed", ["model", "backend"], registry=r)
@@ -62,6 +66,69 @@ class StepFigures:
     kv_capacity: int = 0
 
 
+class GenerationFigures:
+    """One (model, backend)'s step and token figures as plain numbers, read
+    by _GenerationCollector when Prometheus scrapes. A labelled Gauge or
+    Histogram takes a lock and four Python calls per update: at one stream
+    the step figures and the inter-token time change on every token, and
+    those calls were a sizeable share of the daemon's work per token. Kept
+    per label pair across reloads, as labelled children were: counters
+    never go back. Updated on the event loop only; a scrape (another
+    thread) reads whole numbers, at worst one token behind."""
+
+    __slots__ = ("step", "tokens", "inter_counts", "inter_sum", "created")
+
+    def __init__(self) -> None:
+        self.step = (0, 0, 0, 0)  # StepFigures' fields, as a tuple: made per step
+        self.tokens = 0
+        self.inter_counts = [0] * (len(_LATENCY_BUCKETS) + 1)  # per bucket, not cumulative; the last: +Inf
+        self.inter_sum = 0.0
+        self.created = time.time()
+
+
+_FIGURE_LABELS = ["model", "backend"]
+_STEP_GAUGES = (  # (name, help) of GenerationFigures.step's fields, in order
+    ("modeld_running_sequences", "Sequences in the running batch"),
+    ("modeld_waiting_sequences", "Sequences waiting for a slot"),
+    ("modeld_kv_cells_used", "KV cache cells holding tokens (running and cached)"),
+    ("modeld_kv_cells_capacity", "KV cache cells in all"),
+)
+_TOKENS = ("modeld_generated_tokens", "Completion tokens produced")
+_INTER_TOKEN = ("modeld_inter_token_seconds", "Time between tokens of one sequence")
+_BUCKET_NAMES = [floatToGoString(b) for b in _LATENCY_BUCKETS] + ["+Inf"]
+
+
+class _GenerationCollector:
+    """The families of GenerationFigures, with the names, types and labels
+    the prometheus_client metrics they replace exposed."""
+
+    def __init__(self, figures: dict[tuple[str, str], GenerationFigures]) -> None:
+        self.figures = figures
+
+    def describe(self):  # names only: the registry refuses a second metric of one of them
+        yield from (GaugeMetricFamily(name, doc, labels=_FIGURE_LABELS) for name, doc in _STEP_GAUGES)
+        yield CounterMetricFamily(*_TOKENS, labels=_FIGURE_LABELS)
+        yield HistogramMetricFamily(*_INTER_TOKEN, labels=_FIGURE_LABELS)
+
+    def collect(self):
+        gauges = [GaugeMetricFamily(name, doc, labels=_FIGURE_LABELS) for name, doc in _STEP_GAUGES]
+        tokens = CounterMetricFamily(*_TOKENS, labels=_FIGURE_LABELS)
+        inter = HistogramMetricFamily(*_INTER_TOKEN, labels=_FIGURE_LABELS)
+        for labels, f in list(self.figures.items()):
+            for gauge, value in zip(gauges, f.step):
+                gauge.add_metric(labels, value)
+            tokens.add_metric(labels, f.tokens, created=f.created)
+            cumulative, buckets = 0, []
+            for name, count in zip(_BUCKET_NAMES, list(f.inter_counts)):
+                cumulative += count
+                buckets.append((name, cumulative))
+            inter.add_metric(labels, buckets, f.inter_sum)
+            inter.samples.append(Sample(_INTER_TOKEN[0] + "_created", dict(zip(_FIGURE_LABELS, labels)), f.created))
+        yield from gauges
+        yield tokens
+        yield inter
+
+
 class GenerationMetrics:
     """The generation loop's observer: its figures as Prometheus metrics, and
     the latest step's as `latest` for modeld.v1.Node.
@@ -71,29 +138,26 @@ class GenerationMetrics:
 
     def __init__(self, metrics: Metrics, model: str, backend: str) -> None:
         self.m, self.labels = metrics, (model, backend)
-        self.latest = StepFigures()  # all 0 until the first step after load
-        # on_step and on_tokens run once per step and per token: the labelled
-        # children are looked up once here, not on every call
-        self._running, self._waiting, self._kv_used, self._kv_capacity = (
-            g.labels(*self.labels) for g in (metrics.running_sequences, metrics.waiting_sequences,
-                                             metrics.kv_cells_used, metrics.kv_cells_capacity))
-        self._tokens = metrics.generated_tokens.labels(*self.labels)
-        self._first_token = metrics.time_to_first_token.labels(*self.labels)
-        self._inter_token = metrics.inter_token.labels(*self.labels)
+        self.figures = metrics.generation_figures.setdefault(self.labels, GenerationFigures())
+        self.figures.step = (0, 0, 0, 0)  # all 0 until the first step after load
+        self._first_token = metrics.time_to_first_token.labels(*self.labels)  # once a request: a Histogram
+
+    @property
+    def latest(self) -> StepFigures:
+        return StepFigures(*self.figures.step)
 
     def on_step(self, num_running: int, num_waiting: int, kv_used: int, kv_capacity: int) -> None:
-        self.latest = StepFigures(num_running, num_waiting, kv_used, kv_capacity)
-        self._running.set(num_running)
-        self._waiting.set(num_waiting)
-        self._kv_used.set(kv_used)
-        self._kv_capacity.set(kv_capacity)
+        self.figures.step = (num_running, num_waiting, kv_used, kv_capacity)
 
     def on_tokens(self, count: int, first_token_s: float | None, inter_token_s: float | None) -> None:
-        self._tokens.inc(count)
+        f = self.figures
+        f.tokens += count
         if first_token_s is not None:
             self._first_token.observe(first_token_s)
         if inter_token_s is not None:
-            self._inter_token.observe(inter_token_s)
+            # Histogram's own rule: a value on a bound counts in that bound's bucket (le)
+            f.inter_counts[bisect_left(_LATENCY_BUCKETS, inter_token_s)] += 1
+            f.inter_sum += inter_token_s
 
     def on_finish(self, usage, reason) -> None:
         self.m.prompt_tokens.labels(*self.labels).inc(usage.prompt_tokens)

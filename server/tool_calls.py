@@ -135,6 +135,11 @@ class AnswerReader:
     def feed(self, text: str) -> list[dict]:
         """The deltas this piece of text makes sure of."""
         if self.reasoning is None:
+            if self.tools is None:  # a plain answer, once a token: what _answer would make, directly
+                if not text:
+                    return []
+                self.content.append(text)
+                return [{"content": text}]
             return self._answer("", text, final=False)
         reasoning, content = self.reasoning.feed(text)
         return self._answer(reasoning, content, final=False)

@@ -27,7 +27,7 @@ import structlog
 from modeld.backends.base import GenerativeModel
 from modeld.backends.errors import BackendFailure, FailedPrecondition, LoadFailed, ModeldError, Unavailable
 from modeld.backends.generation.step_sink import STEP_SINK
-from modeld.server.workers.frames import BATCH, ThreadChannel
+from modeld.server.workers.frames import BATCH, ThreadChannel, token_message
 from modeld.server.workers.kv_cache import KvDeltaSource, model_cache, prompt_hashes
 
 log = structlog.get_logger("modeld.worker")
@@ -78,7 +78,7 @@ class _StepThreadSender(_ForwardingObserver):
             self._pending.append(message)
 
     def event(self, rid: int, event) -> None:
-        self._add(("event", rid, event))
+        self._add(token_message(rid, event))
 
     def flush(self) -> None:
         with self._lock:
@@ -161,7 +161,7 @@ class Worker:
         try:
             async with contextlib.aclosing(self._model_for(adapter).generate(request)) as events:
                 async for event in events:
-                    self.out.send(("event", rid, event))
+                    self.out.send(token_message(rid, event))
         except asyncio.CancelledError:
             pass  # the daemon's caller left; leaving the stream freed the sequence
         except Exception as exc:  # noqa: BLE001 - sent back as its status

@@ -33,7 +33,7 @@ from modeld.backends.errors import (
 )
 from modeld.backends.generation.params import FinalEvent, GenerateRequest, TokenEvent
 from modeld.server.os_memory import process_rss
-from modeld.server.workers.frames import FrameProtocol, connect
+from modeld.server.workers.frames import TOKEN, FrameProtocol, connect, token_event
 from modeld.server.workers.kv_cache import KvCacheState, KvMirror, PromptHashes
 
 log = structlog.get_logger("modeld.workers")
@@ -225,7 +225,11 @@ class WorkerProcess:
 
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
-        if kind == "ok":
+        if kind == TOKEN:  # first: nearly every message of a generation
+            queue = self._streams.get(message[1])
+            if queue is not None:
+                queue.put_nowait(token_event(message))
+        elif kind == "ok":
             self._settle(message[1], result=message[2])
         elif kind == "error":
             error = _remote_error(*message[2:5])

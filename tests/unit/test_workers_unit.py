@@ -219,3 +219,28 @@ async def test_a_turns_messages_from_the_worker_go_as_one_frame_and_arrive_one_b
     assert decode_bytes(writes[1])[0] == ("event", 9, TokenEvent((9,), "9"))
     await daemon_end.close()
     await channel.close()
+
+
+def test_a_plain_token_event_travels_as_a_tuple_and_arrives_as_the_same_event():
+    """Nearly every message of a generation: no dataclass in its pickle. The
+    stand-in's reader makes the TokenEvent again; an event with logprobs (or
+    a final event) travels as itself."""
+    from modeld.backends.generation.params import TokenLogprob
+    from modeld.server.workers.frames import TOKEN, token_message
+    from modeld.server.workers.stand_in import WorkerProcess
+
+    plain = TokenEvent((791, 13), " the")
+    message, _ = decode_bytes(encode_bytes(token_message(4, plain)))
+    assert message == (TOKEN, 4, (791, 13), " the")
+    with_logprobs = TokenEvent((791,), " the", (TokenLogprob(791, -0.25),), ((TokenLogprob(791, -0.25),),))
+    final = FinalEvent(FinishReason.LENGTH, Usage(completion_tokens=2))
+    assert token_message(4, with_logprobs) == ("event", 4, with_logprobs)
+    assert token_message(4, final) == ("event", 4, final)
+
+    stand_in = WorkerProcess.__new__(WorkerProcess)  # its reader's dispatch alone
+    stand_in._streams = {4: asyncio.Queue()}
+    for sent in (plain, with_logprobs, final):
+        stand_in._dispatch(decode_bytes(encode_bytes(token_message(4, sent)))[0])
+    stand_in._dispatch(token_message(5, plain))  # a stream that already left: dropped
+    got = [stand_in._streams[4].get_nowait() for _ in range(3)]
+    assert got == [plain, with_logprobs, final] and type(got[0]) is TokenEvent
