@@ -159,6 +159,11 @@ class GenerationMetrics:
             f.inter_counts[bisect_left(_LATENCY_BUCKETS, inter_token_s)] += 1
             f.inter_sum += inter_token_s
 
+    def on_tokens_many(self, figures: tuple[tuple[int, float | None, float | None], ...]) -> None:
+        """on_tokens for each of a step's streams, as a worker sends them: in one message."""
+        for count, first_token_s, inter_token_s in figures:
+            self.on_tokens(count, first_token_s, inter_token_s)
+
     def on_finish(self, usage, reason) -> None:
         self.m.prompt_tokens.labels(*self.labels).inc(usage.prompt_tokens)
         self.m.prefix_cache_hit_tokens.labels(*self.labels).inc(usage.cached_prompt_tokens)

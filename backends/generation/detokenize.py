@@ -29,6 +29,13 @@ class IncrementalText:
         if self.stopped:
             return ""
         self._num_pushed += 1
+        if not self._stop and not self._pending:
+            # nearly every token of a request without stop strings: nothing is
+            # held back (_held stays empty), so whole characters go out as they are
+            try:
+                return piece.decode("utf-8")
+            except UnicodeDecodeError:
+                pass  # part of a character, or invalid bytes: the general path
         self._pending += piece
         text, self._pending = _split_complete(self._pending)
         self._held += text

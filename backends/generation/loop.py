@@ -564,12 +564,17 @@ class GenerationLoop:
         seq.first_token_time = seq.first_token_time or now
         seq.last_token_time = now
         taken, reason = self._take_until_stop(seq, tokens)
+        # only the last token taken can be a stop token, and then _take_until_stop says STOP
+        stop_token_last = reason is FinishReason.STOP
         if reason is None and grammar_done:
             reason = FinishReason.STOP
         params = seq.params
         piece = self.runner.token_bytes if params.skip_special_tokens else self.runner.special_token_bytes
-        text = "".join(seq.stream.text.push(piece(t)) for t in taken
-                       if params.include_stop_str_in_output or not self._is_stop_token(seq, t))
+        shown = taken[:-1] if stop_token_last and not params.include_stop_str_in_output else taken
+        if len(shown) == 1:
+            text = seq.stream.text.push(piece(shown[0]))
+        else:
+            text = "".join([seq.stream.text.push(piece(t)) for t in shown])
         if seq.stream.text.stopped:
             reason = FinishReason.STOP
         if reason is not None:

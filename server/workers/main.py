@@ -71,6 +71,9 @@ class _StepThreadSender(_ForwardingObserver):
     def __init__(self, out: ThreadChannel) -> None:
         super().__init__(out)
         self._pending: list[tuple] = []
+        # this step's on_tokens figures, one per stream: one message at the
+        # flush (GenerationMetrics.on_tokens_many), not one each
+        self._token_figures: list[tuple] = []
         self._lock = threading.Lock()  # the step thread, and the event loop when a failing loop abandons all
 
     def _add(self, message: tuple) -> None:
@@ -80,9 +83,16 @@ class _StepThreadSender(_ForwardingObserver):
     def event(self, rid: int, event) -> None:
         self._add(token_message(rid, event))
 
+    def on_tokens(self, count: int, first_token_s, inter_token_s) -> None:
+        with self._lock:
+            self._token_figures.append((count, first_token_s, inter_token_s))
+
     def flush(self) -> None:
         with self._lock:
             messages, self._pending = self._pending, []
+            if self._token_figures:
+                messages.append(("obs", "on_tokens_many", (tuple(self._token_figures),)))
+                self._token_figures = []
             if not messages:
                 return
             try:  # under the lock: two threads' flushes keep their order

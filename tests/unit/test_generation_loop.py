@@ -390,3 +390,30 @@ def test_a_failing_step_sink_fails_no_step():
     events = [event for _, event, _ in sink.events]
     assert [t for e in events[:-1] for t in e.token_ids] == _expected(request)
     assert events[-1].finish_reason is FinishReason.LENGTH
+
+
+class EndAtZeroRunner(CountingRunner):
+    def is_end_of_generation(self, token_id):
+        return token_id == 0
+
+
+@pytest.mark.parametrize("tokens, grammar_done, include_stop, text, reason", [
+    ([3], True, False, "d", FinishReason.STOP),  # a constraint that is done: its last token's text stays
+    ([3, 4], False, False, "de", None),  # drafts accepted: every token's text, in order
+    ([3, 0], False, False, "d", FinishReason.STOP),  # an end token: its text is left out...
+    ([3, 0], False, True, "da", FinishReason.STOP),  # ...unless the request keeps stop text
+    ([0], True, False, "", FinishReason.STOP),
+])
+def test_a_steps_tokens_are_sent_with_their_text(tokens, grammar_done, include_stop, text, reason):
+    from modeld.backends.generation.detokenize import IncrementalText
+    from modeld.backends.generation.loop import _Stream
+    from modeld.backends.generation.sequence import Sequence
+
+    loop = GenerationLoop(runner=EndAtZeroRunner(), scheduler=_schedulers()["slots"])
+    params = SamplingParams(max_tokens=8, include_stop_str_in_output=include_stop)
+    seq = Sequence([5, 6], params)
+    seq.stream = _Stream(asyncio.Queue(), IncrementalText((), include_stop), None)
+    taken, got_reason = loop._emit(seq, tokens, None, grammar_done)
+    [(_put, event)] = loop._outbox
+    assert (event.text, got_reason, taken) == (text, reason, tokens)
+    assert event.token_ids == tuple(tokens)

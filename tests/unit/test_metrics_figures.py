@@ -98,3 +98,13 @@ def test_a_second_metric_of_one_of_these_names_is_refused():
         assert "modeld_kv_cells_used" in str(exc)
     else:
         raise AssertionError("the registry took a duplicate of a collected metric")
+
+
+def test_a_workers_step_of_token_figures_counts_as_each_would():
+    one_by_one, batched = Metrics(), Metrics()
+    single = GenerationMetrics(one_by_one, "smollm2", "llamacpp")
+    for update in TOKENS:
+        single.on_tokens(*update)
+    GenerationMetrics(batched, "smollm2", "llamacpp").on_tokens_many(tuple(TOKENS))
+    names = NAMES + ("modeld_time_to_first_token_seconds",)
+    assert _samples(batched.registry, names) == _samples(one_by_one.registry, names)

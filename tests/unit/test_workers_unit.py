@@ -244,3 +244,26 @@ def test_a_plain_token_event_travels_as_a_tuple_and_arrives_as_the_same_event():
     stand_in._dispatch(token_message(5, plain))  # a stream that already left: dropped
     got = [stand_in._streams[4].get_nowait() for _ in range(3)]
     assert got == [plain, with_logprobs, final] and type(got[0]) is TokenEvent
+
+
+def test_a_steps_token_figures_go_to_the_daemon_as_one_message_after_its_events():
+    from modeld.server.workers.frames import BATCH, TOKEN
+    from modeld.server.workers.main import _StepThreadSender
+
+    class Out:
+        def __init__(self):
+            self.sent = []
+
+        def send_now(self, message):
+            self.sent.append(message)
+
+    out = Out()
+    sender = _StepThreadSender(out)
+    for rid in (1, 2):
+        sender.event(rid, TokenEvent((rid,), str(rid)))
+        sender.on_tokens(1, None, 0.04)
+    sender.on_step(2, 0, 30, 64)
+    sender.flush()
+    sender.flush()  # nothing new: nothing sent
+    assert out.sent == [(BATCH, ((TOKEN, 1, (1,), "1"), (TOKEN, 2, (2,), "2"), ("obs", "on_step", (2, 0, 30, 64)),
+                                 ("obs", "on_tokens_many", (((1, None, 0.04), (1, None, 0.04)),))))]
