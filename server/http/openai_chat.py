@@ -16,7 +16,7 @@ from modeld.backends.generation.params import FinalEvent, FinishReason, Generate
 from modeld.backends.model_config import ToolParser
 from modeld.server.dataplane import DataPlane
 from modeld.server.http.common import unless_client_leaves
-from modeld.server.http.jsonenc import sse_event
+from modeld.server.http.jsonenc import dumps, sse_event
 from modeld.server.http.openai_fields import FieldError, error_response, model_name, priority
 from modeld.server.http.openai_sampling import GenerationFields, generation_fields
 from modeld.server.http.openai_tools import AnswerReader, ToolFields, tool_fields
@@ -155,6 +155,11 @@ def _sse(payload: dict | str) -> bytes:
     return sse_event(payload)  # orjson: a chunk in about 3 us instead of 18
 
 
+# where a chunk's delta or text goes, in _Generation._plain_event's frames
+_MARK = "modeld-chunk-value-3f9c1e"
+_MARK_JSON = dumps(_MARK)
+
+
 class _Generation:
     """One chat or completion request, as JSON or as an event stream."""
 
@@ -177,6 +182,7 @@ class _Generation:
         self.id = ("chatcmpl-" if chat else "cmpl-") + self.request_id
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        self._frames: dict[int, tuple[bytes, ...]] = {}  # per choice: _plain_event's
 
     def _read_tools(self, plane: DataPlane, body: dict, fields: GenerationFields):
         """The tool fields, and the sampling parameters with the grammar of a
@@ -273,6 +279,22 @@ class _Generation:
             chunk["usage"] = None
         return chunk
 
+    def _plain_event(self, index: int, value: dict | str) -> bytes:
+        """_sse(self._chunk(...)) of a chunk with no logprobs and no finish
+        reason, whose delta (chat) or text (completions) is `value`: nearly
+        every chunk of a stream. Everything around that value is the same
+        for the whole stream, so it is encoded once (0.6 against 2.9 us a
+        chunk here); only the value is encoded per token."""
+        frame = self._frames.get(index)
+        if frame is None:
+            parts = _sse(self._chunk(_MARK, _MARK, None, None, index)).split(_MARK_JSON)
+            # a model name or id that holds the mark itself: no frame, the whole chunk each time
+            frame = self._frames[index] = tuple(parts) if len(parts) == 2 else ()
+        if not frame:
+            return _sse(self._chunk(value, "", None, None, index) if self.chat else
+                        self._chunk(None, value, None, None, index))
+        return frame[0] + dumps(value) + frame[1]
+
     async def _chunks(self, first, events) -> AsyncIterator[bytes]:
         offsets = [0] * self.n
         finals: dict[int, FinalEvent] = {}
@@ -310,7 +332,12 @@ class _Generation:
                         # parser holds back still carries its logprobs
                         deltas = readers[index].feed(event.text) or ([{}] if logprobs else [])
                         for i, delta in enumerate(deltas):
-                            yield _sse(self._chunk(delta, "", logprobs if i == 0 else None, None, index))
+                            if logprobs is None or i:
+                                yield self._plain_event(index, delta)
+                            else:
+                                yield _sse(self._chunk(delta, "", logprobs, None, index))
+                    elif logprobs is None:
+                        yield self._plain_event(index, event.text)
                     else:
                         yield _sse(self._chunk(None, event.text, logprobs, None, index))
                     offsets[index] += len(event.text)
