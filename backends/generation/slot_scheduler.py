@@ -5,6 +5,7 @@ prefix cache over them (slots.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 from typing import Mapping
 
 from modeld.backends.generation.interface import SlotWork, StepPlan
@@ -103,8 +104,9 @@ class SlotScheduler(BaseScheduler):
         empty = len(self.slots.free) + len(self.slots.cached)
         if not empty:
             return None
-        starting = [s for s in self.waiting
-                    if not s.is_cancelled and not self._waits_for_prefix(s)][:min(quota, empty)]
+        # only as many as could start: the queue behind them may be hundreds long
+        starting = list(islice((s for s in self.waiting if not s.is_cancelled and not self._waits_for_prefix(s)),
+                               min(quota, empty)))
         if len(starting) < empty:
             return None
         return self.slots.wanted_by(s.prompt_ids for s in starting if s.params.cache_prompt)
