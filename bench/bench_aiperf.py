@@ -20,6 +20,18 @@ Ratios are modeld / llama-server per round, reported as medians: output
 token throughput (higher is better), time to first token p50 and
 inter-token latency p50 (lower is better).
 
+Where vLLM's CPU build is set up (`.venv-vllm` and the Hugging Face copy
+of the weights in var/hf/smollm2, both from `make test-remote`), two more
+sides run in the same rounds: vLLM serving those weights (float32, both
+cores: bench/peers notes what is fair) and modeld's torch runtime serving
+the same weights (`smollm2-torch`), each in a server of its own; their
+ratios (modeld-torch / vLLM) are reported beside the llama.cpp pair's.
+vLLM gets both cores for its compute (VLLM_CPU_NUM_OF_RESERVED_CPU=0,
+VLLM_CPU_OMP_THREADS_BIND=0-1, OMP_NUM_THREADS=2; by default it keeps one
+of two cores for itself) and otherwise its defaults, prefix caching
+included, as modeld keeps its prefix cache.
+`--vllm off` leaves them out, `--vllm on` fails where vLLM is missing.
+
 --omp-wait-policy PASSIVE,ACTIVE races two modeld daemons in the same
 rounds, one per OpenMP wait policy of llama.cpp's compute threads
 (OMP_WAIT_POLICY; unless the environment gives it or GOMP_SPINCOUNT,
@@ -32,7 +44,7 @@ entry whose KEY has a dot sets an option of smollm2's model.toml for that
 side instead (`llamacpp.max_prefill_tokens=128`).
 
     .venv/bin/python bench/bench_aiperf.py [--rounds 2] [--concurrency 8,32] [--placements unpinned,pinned] [--waves 2]
-                                           [--omp-wait-policy PASSIVE[,ACTIVE]]
+                                           [--omp-wait-policy PASSIVE[,ACTIVE]] [--vllm auto|on|off]
 
 Writes bench/results/aiperf.json.
 """
@@ -53,8 +65,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests/remote"))
 from bench_llama_server import PEER_BIN, LlamaServer  # noqa: E402
 from racing import goal, machine, median_ratio, round_order, settle  # noqa: E402
+from vllm_server import SERVED_NAME, VllmServer  # noqa: E402
+from vllm_server import missing as vllm_missing  # noqa: E402
 
 AIPERF = ROOT / ".venv-aiperf/bin/aiperf"
 TOKENIZER = ROOT / "var/hf/smollm2"
@@ -64,9 +79,10 @@ WARMUP_REQUESTS = 4
 
 
 class ModeldHttp:
-    """modeld serve with smollm2 loaded, its OpenAI API on a free port."""
+    """modeld serve with one model loaded (smollm2: llama.cpp; smollm2-torch:
+    the torch runtime), its OpenAI API on a free port."""
 
-    def __init__(self, wait_policy: str = "") -> None:
+    def __init__(self, wait_policy: str = "", model: str = "smollm2") -> None:
         from daemon import start_daemon
 
         env, options = policy_env(wait_policy), model_options(wait_policy)
@@ -79,10 +95,11 @@ class ModeldHttp:
         import tritonclient.grpc as tc
 
         client = tc.InferenceServerClient(self.daemon.address)
-        client.load_model("smollm2")
+        client.load_model(model)
         client.close()
         self.url = self.daemon.http_url
         self.pid = self.daemon.proc.pid
+        self.model = model
 
     def stop(self) -> None:
         self.daemon.stop()
@@ -137,9 +154,37 @@ def with_options(folder: Path, options: dict[tuple[str, str], str]) -> Path:
     return folder
 
 
-def aiperf(url: str, concurrency: int, pinned: bool, artifacts: Path, waves: int) -> dict:
+class AiperfVllm(VllmServer):
+    """vLLM as a user would start it for this race: its defaults, both cores."""
+
+    def environment(self) -> dict[str, str]:
+        return {**super().environment(), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+                "OMP_NUM_THREADS": "2"}
+
+
+class VllmSide:
+    """A started AiperfVllm as a side of the race."""
+
+    def __init__(self) -> None:
+        self.server = AiperfVllm().start()
+        self.url, self.pid, self.model = self.server.url, self.server.proc.pid, SERVED_NAME
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+class LlamaServerSide:
+    def __init__(self) -> None:
+        self.server = LlamaServer()
+        self.url, self.pid, self.model = self.server.url, self.server.proc.pid, "smollm2"
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def aiperf(url: str, concurrency: int, pinned: bool, artifacts: Path, waves: int, model: str = "smollm2") -> dict:
     """One aiperf profile run; its summary figures."""
-    cmd = [str(AIPERF), "profile", "--url", url, "-m", "smollm2", "--endpoint-type", "chat", "--streaming",
+    cmd = [str(AIPERF), "profile", "--url", url, "-m", model, "--endpoint-type", "chat", "--streaming",
            "--tokenizer", str(TOKENIZER), "--use-server-token-count", "--concurrency", str(concurrency),
            "--request-count", str(concurrency * waves),
            "--warmup-request-count", str(WARMUP_REQUESTS),
@@ -172,28 +217,33 @@ def aiperf(url: str, concurrency: int, pinned: bool, artifacts: Path, waves: int
 
 
 def race(rounds: int, concurrencies: list[int], placements: list[str], waves: int,
-         policies: list[str]) -> list[dict]:
+         policies: list[str], with_vllm: bool = False) -> list[dict]:
     runs = []
     sides = sides_of(policies)
+    everyone = sides + ["llama-server"] + (TORCH_PAIR if with_vllm else [])
     with tempfile.TemporaryDirectory(prefix="modeld-aiperf-") as tmp:
         for r in range(rounds):
             # the first policy is the side named "modeld"; "" leaves modeld's own default. An
             # ACTIVE daemon's idle OpenMP team spins for seconds on end, on the cores the
             # other sides run on: it is up only for its own runs
             policy_of = dict(zip(sides, policies))
-            nodes = {side: ModeldHttp(policy) for side, policy in policy_of.items() if policy != "ACTIVE"}
-            peer = LlamaServer()
+            nodes: dict = {}
             try:
-                got: dict = {"round": r, "first": round_order(sides + ["llama-server"], r)[0]}
+                nodes.update({side: ModeldHttp(policy) for side, policy in policy_of.items() if policy != "ACTIVE"})
+                nodes["llama-server"] = LlamaServerSide()
+                if with_vllm:
+                    nodes["vllm"] = VllmSide()
+                    nodes["modeld-torch"] = ModeldHttp(model="smollm2-torch")
+                got: dict = {"round": r, "first": round_order(everyone, r)[0]}
                 for concurrency in concurrencies:
                     for placement in placements:
-                        for side in round_order(sides + ["llama-server"], r):
-                            if side not in nodes and side != "llama-server":
+                        for side in round_order(everyone, r):
+                            if side not in nodes:
                                 nodes[side] = ModeldHttp(policy_of[side])  # aiperf's warmup requests warm it
-                            settle([n.pid for n in nodes.values()] + [peer.proc.pid])
-                            url = nodes[side].url if side in nodes else peer.url
+                            settle([n.pid for n in nodes.values()])
+                            node = nodes[side]
                             artifacts = Path(tmp) / f"r{r}-c{concurrency}-{placement}-{side}"
-                            figures = aiperf(url, concurrency, placement == "pinned", artifacts, waves)
+                            figures = aiperf(node.url, concurrency, placement == "pinned", artifacts, waves, node.model)
                             if policy_of.get(side) == "ACTIVE":
                                 nodes.pop(side).stop()
                             shutil.rmtree(artifacts, ignore_errors=True)
@@ -205,9 +255,12 @@ def race(rounds: int, concurrencies: list[int], placements: list[str], waves: in
             finally:
                 for node in nodes.values():
                     node.stop()
-                peer.stop()
             runs.append(got)
     return runs
+
+
+# the torch runtime's pair: modeld serving smollm2-torch, and vLLM on the same weights
+TORCH_PAIR = ["vllm", "modeld-torch"]
 
 
 def sides_of(policies: list[str]) -> list[str]:
@@ -215,7 +268,8 @@ def sides_of(policies: list[str]) -> list[str]:
     return ["modeld"] + [f"modeld-{p}" for p in policies[1:]]
 
 
-def summarise(runs: list[dict], concurrencies: list[int], placements: list[str], policies: list[str]) -> dict:
+def summarise(runs: list[dict], concurrencies: list[int], placements: list[str], policies: list[str],
+              with_vllm: bool = False) -> dict:
     out = {}
     sides = sides_of(policies)
     for concurrency in concurrencies:
@@ -247,6 +301,13 @@ def summarise(runs: list[dict], concurrencies: list[int], placements: list[str],
             for side in sides[1:]:
                 out[key][f"{side} vs llama-server"] = ratios_of(side, "llama-server")
                 out[key][f"{side} vs modeld"] = ratios_of(side, "modeld")
+            if with_vllm:
+                out[key]["medians"].update({f"{side} {m}": statistics.median(series(side, m, s))
+                                            for side in TORCH_PAIR
+                                            for m, s in (("output_token_throughput", "avg"),
+                                                         ("time_to_first_token", "p50"),
+                                                         ("inter_token_latency", "p50"))})
+                out[key]["modeld-torch vs vllm"] = ratios_of("modeld-torch", "vllm")
     return out
 
 
@@ -258,6 +319,8 @@ def main() -> None:
     parser.add_argument("--waves", type=int, default=2, help="requests per run: concurrency x waves")
     parser.add_argument("--omp-wait-policy", default="",
                         help="comma-separated OMP_WAIT_POLICY values, one modeld daemon each (default: modeld's own)")
+    parser.add_argument("--vllm", choices=["auto", "on", "off"], default="auto",
+                        help="race vLLM CPU and modeld's torch runtime too (auto: where .venv-vllm is set up)")
     parser.add_argument("--output", default=str(RESULTS / "aiperf.json"))
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # modeld's side; aiperf's own env drops it
@@ -273,8 +336,14 @@ def main() -> None:
     policies = args.omp_wait_policy.split(",") if args.omp_wait_policy else [""]
     if any(p not in ("", "PASSIVE", "ACTIVE") and "=" not in p for p in policies):
         sys.exit(f"--omp-wait-policy takes PASSIVE, ACTIVE and KEY=VALUE entries, got {args.omp_wait_policy!r}")
-    runs = race(args.rounds, concurrencies, placements, args.waves, policies)
-    summary = summarise(runs, concurrencies, placements, policies)
+    why_not = vllm_missing()
+    if args.vllm == "on" and why_not:
+        sys.exit(f"--vllm on: {why_not}")
+    with_vllm = args.vllm == "on" or (args.vllm == "auto" and why_not is None)
+    if args.vllm == "auto" and why_not:
+        print(f"vLLM left out: {why_not}", flush=True)
+    runs = race(args.rounds, concurrencies, placements, args.waves, policies, with_vllm)
+    summary = summarise(runs, concurrencies, placements, policies, with_vllm)
     record = {"command": "python bench/bench_aiperf.py " + " ".join(sys.argv[1:]), "harness": "aiperf",
               "aiperf_version": subprocess.run([str(ROOT / ".venv-aiperf/bin/python"), "-c",
                                                 "import importlib.metadata as m; print(m.version('aiperf'))"],
@@ -282,6 +351,7 @@ def main() -> None:
               "machine": before, "load_average_after": list(os.getloadavg()),
               "omp_wait_policy": {side: policy or "modeld's default"
                                   for side, policy in zip(sides_of(policies), policies)},
+              "vllm": {"command": AiperfVllm().command(), "served_name": SERVED_NAME} if with_vllm else None,
               "input_tokens": INPUT_TOKENS, "output_tokens": OUTPUT_TOKENS, "rounds": runs, "summary": summary}
     path = Path(args.output)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -289,6 +359,9 @@ def main() -> None:
     for key, row in summary.items():
         print(f"{key}: " + ", ".join(f"{name} {g['ratio']:.2f}x ({'met' if g['met'] else 'missed'})"
                                      for name, g in row["goals"].items()))
+        if "modeld-torch vs vllm" in row:
+            print(f"{key}: modeld-torch vs vLLM " + ", ".join(f"{name} {ratio:.2f}x"
+                                                              for name, ratio in row["modeld-torch vs vllm"].items()))
 
 
 if __name__ == "__main__":
