@@ -9,6 +9,47 @@ So loading and every step of both LLM backends run on this thread. On two
 cores the steps of different models would compete for the CPU anyway.
 """
 
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
-COMPUTE_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modeld-compute")
+
+class ComputeThread(ThreadPoolExecutor):
+    """A one-thread executor that can tell whether a job waits behind the
+    running one: a generation loop then holds the thread for as long as its
+    model has work and nobody else needs it (generation/loop.py, _burst)."""
+
+    def __init__(self, thread_name_prefix: str) -> None:
+        super().__init__(max_workers=1, thread_name_prefix=thread_name_prefix)
+        self._waiting = 0
+        self._count_lock = threading.Lock()
+
+    def has_waiting(self) -> bool:
+        """Whether a submitted job has neither started nor been cancelled."""
+        return self._waiting > 0
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        settled = False
+
+        def settle(_future=None) -> None:  # once: when the job starts, or when it is cancelled unstarted
+            nonlocal settled
+            with self._count_lock:
+                if not settled:
+                    settled = True
+                    self._waiting -= 1
+
+        def run():
+            settle()
+            return fn(*args, **kwargs)
+
+        with self._count_lock:
+            self._waiting += 1
+        try:
+            future = super().submit(run)
+        except BaseException:
+            settle()
+            raise
+        future.add_done_callback(settle)
+        return future
+
+
+COMPUTE_THREAD = ComputeThread(thread_name_prefix="modeld-compute")

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from modeld.backends.compute_thread import ComputeThread
 from modeld.backends.errors import ErrorKind
 from modeld.backends.generation.draft import DraftModel
 from modeld.backends.generation.executor import StepExecutor
@@ -232,6 +233,65 @@ def test_a_burst_gives_the_worker_back_after_burst_s(monkeypatch):
     assert tokens == _expected(request)
     # a burst ends at the first step that ends past 20 ms: at most 3 steps of 10 ms
     assert len(handoffs) >= len(loop.runner.plans) // 3
+
+
+def test_a_burst_on_a_compute_thread_keeps_it_while_nothing_else_waits(monkeypatch):
+    monkeypatch.setattr(loop_module, "BURST_S", 0.02)
+    thread = ComputeThread(thread_name_prefix="test-compute")
+    try:
+        loop = GenerationLoop(runner=SlowRunner(0.01), scheduler=_schedulers()["slots"], worker=thread)
+        handoffs = _count_handoffs(loop)
+        request = _request("hello", max_tokens=20)
+        tokens, _ = _serve(loop, lambda: _collect(loop, request))
+        assert tokens == _expected(request)
+        # 200 ms of steps, ten times BURST_S, in one burst: no other job asked for the thread
+        assert len(handoffs) == 1 and len(loop.runner.plans) >= 20
+    finally:
+        thread.shutdown()
+
+
+def test_a_burst_on_a_compute_thread_gives_it_to_a_waiting_job_after_burst_s(monkeypatch):
+    monkeypatch.setattr(loop_module, "BURST_S", 0.02)
+    thread = ComputeThread(thread_name_prefix="test-compute")
+    try:
+        loop = GenerationLoop(runner=SlowRunner(0.01), scheduler=_schedulers()["slots"], worker=thread)
+        request = _request("hello", max_tokens=60)
+        steps_when_run = []
+
+        async def body():
+            events = loop.generate(request)
+            tokens = list((await events.__anext__()).token_ids)
+            job = thread.submit(lambda: steps_when_run.append(len(loop.runner.plans)))
+            async for event in events:
+                if isinstance(event, FinalEvent):
+                    return tokens, job
+                tokens.extend(event.token_ids)
+
+        tokens, job = _serve(loop, body)
+        assert tokens == _expected(request) and job.done() and not thread.has_waiting()
+        # the job ran between two steps of the burst that was running, not after the request
+        assert steps_when_run and steps_when_run[0] < len(loop.runner.plans) - 10
+    finally:
+        thread.shutdown()
+
+
+def test_a_compute_thread_counts_jobs_until_they_start_or_are_cancelled():
+    thread = ComputeThread(thread_name_prefix="test-compute")
+    release = threading.Event()
+    try:
+        running = thread.submit(release.wait)
+        queued = thread.submit(lambda: None)
+        assert thread.has_waiting()
+        assert queued.cancel()
+        assert not thread.has_waiting()  # the cancelled job will never start
+        later = thread.submit(lambda: 7)
+        assert thread.has_waiting()
+        release.set()
+        assert later.result(timeout=30) == 7 and running.result(timeout=30)
+        assert not thread.has_waiting()
+    finally:
+        release.set()
+        thread.shutdown()
 
 
 class FailingObserver:
