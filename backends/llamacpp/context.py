@@ -9,53 +9,27 @@ why the batch, decode and memory calls are used directly.
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import numpy as np
 
+from modeld.backends import openmp
 from modeld.backends.errors import BackendFailure, InvalidArgument, LoadFailed
 from modeld.backends.generation.interface import SlotWork, StepPlan
 from modeld.backends.generation.slots import KvOpKind
 from modeld.backends.llamacpp.native_sampling import PickCounts, decode_picking, pick_items
 
 
-DEFAULT_SPIN_COUNT = 300
-
-
-def omp_defaults(environ) -> None:
-    """libgomp's wait settings for llama.cpp's compute threads, unless the user gave some.
-
-    ggml runs each llama_decode as one OpenMP parallel region (libgomp), and
-    every graph node ends at an OpenMP barrier (hundreds a decode). Unset,
-    libgomp spins about 300,000 turns (~3 ms) at each wait: between steps,
-    while Python samples, sends and encodes, the spinning team holds the
-    cores that work needs (under a harness on two cores the decode fell to
-    15 tok/s from 116). PASSIVE alone makes every barrier a futex sleep and
-    wake. A spin of 300 turns (a few microseconds) covers a barrier whose
-    partner is running and still sleeps at once when it is not: in
-    bench/ab_env.py on two cores, 8 streams, it ran 1.33x PASSIVE's tok/s
-    idle and 0.92x beside one busy process (1,000 turns: 1.53x and 0.82x;
-    10,000: 1.35x and 0.44x). libgomp reads both once, when the first
-    `_llama()` loads it; a value the user set for either is kept
-    (OMP_WAIT_POLICY=ACTIVE for a dedicated machine; GOMP_SPINCOUNT=0 for
-    pure PASSIVE), and GOMP_SPINCOUNT overrides the policy's spin.
-    """
-    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
-        environ["GOMP_SPINCOUNT"] = str(DEFAULT_SPIN_COUNT)
-    environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 _LLAMA = None
 
 
 def _llama():
-    """llama_cpp, imported after omp_defaults. Kept once imported: a step
-    calls this several times, and each omp_defaults reads and encodes the
-    environment again."""
+    """llama_cpp, imported after libgomp's wait settings for it
+    (backends/openmp.py). Kept once imported: a step calls this several
+    times."""
     global _LLAMA
     if _LLAMA is None:
-        omp_defaults(os.environ)
+        openmp.apply("llama.cpp", openmp.LLAMACPP_SPIN_COUNT)
         import llama_cpp
 
         _LLAMA = llama_cpp

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
+from modeld.backends import openmp
 from modeld.backends.artifact_paths import check_tokenizer_config
 from modeld.backends.base import Backend, Capability, GenerativeModel, Verdict
 from modeld.backends.compute_thread import COMPUTE_THREAD
@@ -69,6 +70,7 @@ class TorchBackend(Backend):
 
         if config.memory_estimate is not None:
             return config.memory_estimate
+        openmp.apply("torch", openmp.TORCH_SPIN_COUNT)  # before torch loads libgomp
         import torch
 
         from modeld.backends.torch.model import packs_weights
@@ -94,6 +96,7 @@ class TorchBackend(Backend):
         return total
 
     def load(self, config: ModelConfig, model_dir: Path) -> TorchGenerativeModel:
+        openmp.apply("torch", openmp.TORCH_SPIN_COUNT)  # before torch loads libgomp
         return COMPUTE_THREAD.submit(TorchGenerativeModel, config, model_dir).result()
 
 

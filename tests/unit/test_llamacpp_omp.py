@@ -1,25 +1,46 @@
-"""libgomp wait defaults for llama.cpp's threads: ours only where the user set none."""
+"""libgomp wait defaults for the runtimes' compute threads: ours only where
+the user set none, and each runtime's own count in a process that inherited
+another's default (backends/openmp.py)."""
 
-from modeld.backends.llamacpp.context import DEFAULT_SPIN_COUNT, omp_defaults
+from modeld.backends.openmp import LLAMACPP_SPIN_COUNT, TORCH_SPIN_COUNT, libgomp_loaded, wait_defaults
 
 
 def test_unset_gets_passive_with_a_short_spin():
     env = {}
-    omp_defaults(env)
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": str(DEFAULT_SPIN_COUNT)}
-    assert DEFAULT_SPIN_COUNT == 300
+    wait_defaults(env, LLAMACPP_SPIN_COUNT)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300", "MODELD_OMP_DEFAULTS": "1"}
+    assert TORCH_SPIN_COUNT == 3000
 
 
 def test_user_policy_is_kept_and_adds_no_spin():
     env = {"OMP_WAIT_POLICY": "ACTIVE"}
-    omp_defaults(env)
+    wait_defaults(env, LLAMACPP_SPIN_COUNT)
     assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
     env = {"OMP_WAIT_POLICY": "PASSIVE"}
-    omp_defaults(env)
+    wait_defaults(env, TORCH_SPIN_COUNT)
     assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def test_user_spin_count_is_kept():
     env = {"GOMP_SPINCOUNT": "0"}
-    omp_defaults(env)
+    wait_defaults(env, TORCH_SPIN_COUNT)
     assert env == {"GOMP_SPINCOUNT": "0", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def test_a_default_inherited_from_another_runtime_is_replaced():
+    # a torch worker spawned by a daemon that set llama.cpp's default for itself
+    env = {}
+    wait_defaults(env, LLAMACPP_SPIN_COUNT)
+    wait_defaults(env, TORCH_SPIN_COUNT)
+    assert env["GOMP_SPINCOUNT"] == "3000" and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    wait_defaults(env, LLAMACPP_SPIN_COUNT)
+    assert env["GOMP_SPINCOUNT"] == "300"
+
+
+def test_libgomp_is_found_in_the_process_maps(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
+    assert not libgomp_loaded(str(maps))
+    maps.write_text(maps.read_text() + "7f02-7f03 r-xp 00000000 08:01 2 /opt/torch/lib/libgomp-a34b3233.so.1\n")
+    assert libgomp_loaded(str(maps))
+    assert not libgomp_loaded(str(tmp_path / "absent"))
