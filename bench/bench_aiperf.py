@@ -182,15 +182,17 @@ class LlamaServerSide:
         self.server.stop()
 
 
-def aiperf(url: str, concurrency: int, pinned: bool, artifacts: Path, waves: int, model: str = "smollm2") -> dict:
-    """One aiperf profile run; its summary figures."""
+def aiperf(url: str, concurrency: int, pinned: bool, artifacts: Path, waves: int, model: str = "smollm2",
+           seed: int = 7) -> dict:
+    """One aiperf profile run; its summary figures. `seed` picks aiperf's
+    synthetic prompts: the same for every side of one cell of the race."""
     cmd = [str(AIPERF), "profile", "--url", url, "-m", model, "--endpoint-type", "chat", "--streaming",
            "--tokenizer", str(TOKENIZER), "--use-server-token-count", "--concurrency", str(concurrency),
            "--request-count", str(concurrency * waves),
            "--warmup-request-count", str(WARMUP_REQUESTS),
            "--synthetic-input-tokens-mean", str(INPUT_TOKENS), "--synthetic-input-tokens-stddev", "0",
            "--output-tokens-mean", str(OUTPUT_TOKENS), "--output-tokens-stddev", "0",
-           "--extra-inputs", "ignore_eos:true", "--random-seed", "7",
+           "--extra-inputs", "ignore_eos:true", "--random-seed", str(seed),
            "--artifact-dir", str(artifacts), "--ui", "none"]
     if pinned:
         cmd = ["taskset", "-c", "1"] + cmd
@@ -243,7 +245,8 @@ def race(rounds: int, concurrencies: list[int], placements: list[str], waves: in
                             settle([n.pid for n in nodes.values()])
                             node = nodes[side]
                             artifacts = Path(tmp) / f"r{r}-c{concurrency}-{placement}-{side}"
-                            figures = aiperf(node.url, concurrency, placement == "pinned", artifacts, waves, node.model)
+                            figures = aiperf(node.url, concurrency, placement == "pinned", artifacts, waves, node.model,
+                                             cell_seed(r, concurrency, placement))
                             if policy_of.get(side) == "ACTIVE":
                                 nodes.pop(side).stop()
                             shutil.rmtree(artifacts, ignore_errors=True)
@@ -257,6 +260,15 @@ def race(rounds: int, concurrencies: list[int], placements: list[str], waves: in
                     node.stop()
             runs.append(got)
     return runs
+
+
+def cell_seed(round_index: int, concurrency: int, placement: str) -> int:
+    """aiperf's prompt seed for one (round, concurrency, placement) cell.
+    Every cell gets prompts of its own: replayed prompts would reach a
+    server's prompt cache from its earlier runs in the round (llama-server
+    keeps up to 8 GiB of prompt state in host memory by default,
+    --cache-ram), so later cells would time cache hits, not prefills."""
+    return 7 + 1000 * round_index + 10 * concurrency + (1 if placement == "pinned" else 0)
 
 
 # the torch runtime's pair: modeld serving smollm2-torch, and vLLM on the same weights

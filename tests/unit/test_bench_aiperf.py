@@ -41,3 +41,10 @@ def test_without_vllm_the_rounds_need_no_torch_pair():
     row = bench.summarise(rounds, [8], ["unpinned"], [""])["c8 unpinned"]
     assert "modeld-torch vs vllm" not in row
     assert row["goals"]["itl p50 vs llama-server"] == {"ratio": 0.8, "goal": "<= 1.0", "met": True}
+
+
+def test_every_cell_of_the_race_gets_prompts_of_its_own():
+    cells = [(r, c, p) for r in range(3) for c in (8, 32) for p in ("unpinned", "pinned")]
+    seeds = [bench.cell_seed(*cell) for cell in cells]
+    assert len(set(seeds)) == len(cells)
+    assert bench.cell_seed(1, 8, "pinned") == bench.cell_seed(1, 8, "pinned")
