@@ -66,8 +66,8 @@ def libgomp_loaded(maps_path: str = "/proc/self/maps") -> bool:
 
 def apply(runtime: str, spin_count: int) -> None:
     """wait_defaults on this process's environment before `runtime` loads
-    libgomp; a warning where libgomp is already loaded (by another runtime
-    in this process), whose settings then stay."""
+    libgomp. Where libgomp is already loaded (by another runtime in this
+    process) its settings stay, and a log line says which count runs."""
     import os
 
     if libgomp_loaded():

@@ -22,10 +22,11 @@ inter-token latency p50 (lower is better).
 
 Where vLLM's CPU build is set up (`.venv-vllm` and the Hugging Face copy
 of the weights in var/hf/smollm2, both from `make test-remote`), two more
-sides run in the same rounds: vLLM serving those weights (float32, both
-cores: bench/peers notes what is fair) and modeld's torch runtime serving
-the same weights (`smollm2-torch`), each in a server of its own; their
-ratios (modeld-torch / vLLM) are reported beside the llama.cpp pair's.
+sides run in the same rounds: vLLM serving those weights (float32) and
+modeld's torch runtime serving the same weights (`smollm2-torch`), each in
+a server of its own; their ratios (modeld-torch / vLLM) are reported
+beside the llama.cpp pair's. Every cell of the race (round, concurrency,
+placement) draws prompts of its own (cell_seed).
 vLLM gets both cores for its compute (VLLM_CPU_NUM_OF_RESERVED_CPU=0,
 VLLM_CPU_OMP_THREADS_BIND=0-1, OMP_NUM_THREADS=2; by default it keeps one
 of two cores for itself) and otherwise its defaults, prefix caching
