@@ -34,10 +34,6 @@ rather than keeping another's as if the user had set it.
 
 from __future__ import annotations
 
-import structlog
-
-log = structlog.get_logger("modeld.openmp")
-
 LLAMACPP_SPIN_COUNT = 300
 TORCH_SPIN_COUNT = 3000
 _MARK = "MODELD_OMP_DEFAULTS"
@@ -55,24 +51,11 @@ def wait_defaults(environ, spin_count: int) -> None:
     environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def libgomp_loaded(maps_path: str = "/proc/self/maps") -> bool:
-    """Whether this process has loaded libgomp (after which its settings are fixed)."""
-    try:
-        with open(maps_path, encoding="utf-8", errors="replace") as maps:
-            return any("libgomp" in line for line in maps)
-    except OSError:
-        return False
-
-
-def apply(runtime: str, spin_count: int) -> None:
-    """wait_defaults on this process's environment before `runtime` loads
-    libgomp. Where libgomp is already loaded (by another runtime in this
-    process) its settings stay, and a log line says which count runs."""
+def apply(spin_count: int) -> None:
+    """wait_defaults on this process's environment, before a runtime's
+    first import. Both runtimes load `libgomp.so.1` (torch's copy or the
+    system's, whichever comes first serves both in one process), so a call
+    after the other runtime loaded changes only what child processes inherit."""
     import os
 
-    if libgomp_loaded():
-        if os.environ.get("GOMP_SPINCOUNT") != str(spin_count) and os.environ.get(_MARK) == "1":
-            log.info("openmp_settings_kept", runtime=runtime, spin_count=os.environ.get("GOMP_SPINCOUNT"),
-                     reason="libgomp was loaded in this process before this runtime")
-        return
     wait_defaults(os.environ, spin_count)

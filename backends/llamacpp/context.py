@@ -29,7 +29,7 @@ def _llama():
     times."""
     global _LLAMA
     if _LLAMA is None:
-        openmp.apply("llama.cpp", openmp.LLAMACPP_SPIN_COUNT)
+        openmp.apply(openmp.LLAMACPP_SPIN_COUNT)
         import llama_cpp
 
         _LLAMA = llama_cpp

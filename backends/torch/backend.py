@@ -70,7 +70,7 @@ class TorchBackend(Backend):
 
         if config.memory_estimate is not None:
             return config.memory_estimate
-        openmp.apply("torch", openmp.TORCH_SPIN_COUNT)  # before torch loads libgomp
+        openmp.apply(openmp.TORCH_SPIN_COUNT)  # before torch loads libgomp
         import torch
 
         from modeld.backends.torch.model import packs_weights
@@ -96,7 +96,7 @@ class TorchBackend(Backend):
         return total
 
     def load(self, config: ModelConfig, model_dir: Path) -> TorchGenerativeModel:
-        openmp.apply("torch", openmp.TORCH_SPIN_COUNT)  # before torch loads libgomp
+        openmp.apply(openmp.TORCH_SPIN_COUNT)  # before torch loads libgomp
         return COMPUTE_THREAD.submit(TorchGenerativeModel, config, model_dir).result()
 
 

@@ -2,7 +2,7 @@
 the user set none, and each runtime's own count in a process that inherited
 another's default (backends/openmp.py)."""
 
-from modeld.backends.openmp import LLAMACPP_SPIN_COUNT, TORCH_SPIN_COUNT, libgomp_loaded, wait_defaults
+from modeld.backends.openmp import LLAMACPP_SPIN_COUNT, TORCH_SPIN_COUNT, wait_defaults
 
 
 def test_unset_gets_passive_with_a_short_spin():
@@ -35,12 +35,3 @@ def test_a_default_inherited_from_another_runtime_is_replaced():
     assert env["GOMP_SPINCOUNT"] == "3000" and env["OMP_WAIT_POLICY"] == "PASSIVE"
     wait_defaults(env, LLAMACPP_SPIN_COUNT)
     assert env["GOMP_SPINCOUNT"] == "300"
-
-
-def test_libgomp_is_found_in_the_process_maps(tmp_path):
-    maps = tmp_path / "maps"
-    maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
-    assert not libgomp_loaded(str(maps))
-    maps.write_text(maps.read_text() + "7f02-7f03 r-xp 00000000 08:01 2 /opt/torch/lib/libgomp-a34b3233.so.1\n")
-    assert libgomp_loaded(str(maps))
-    assert not libgomp_loaded(str(tmp_path / "absent"))
