@@ -34,6 +34,8 @@ rather than keeping another's as if the user had set it.
 
 from __future__ import annotations
 
+import os
+
 LLAMACPP_SPIN_COUNT = 300
 TORCH_SPIN_COUNT = 3000
 _MARK = "MODELD_OMP_DEFAULTS"
@@ -56,6 +58,4 @@ def apply(spin_count: int) -> None:
     first import. Both runtimes load `libgomp.so.1` (torch's copy or the
     system's, whichever comes first serves both in one process), so a call
     after the other runtime loaded changes only what child processes inherit."""
-    import os
-
     wait_defaults(os.environ, spin_count)

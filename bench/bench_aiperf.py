@@ -302,7 +302,7 @@ def summarise(runs: list[dict], concurrencies: list[int], placements: list[str],
             mine = ratios_of("modeld", "llama-server")
             out[key] = {
                 "medians": {f"{side} {m}": statistics.median(series(side, m, s))
-                            for side in sides + ["llama-server"]
+                            for side in sides + ["llama-server"] + (TORCH_PAIR if with_vllm else [])
                             for m, s in (("output_token_throughput", "avg"), ("time_to_first_token", "p50"),
                                          ("inter_token_latency", "p50"))},
                 "goals": {"output throughput vs llama-server": goal(mine["output_token_throughput"], 1.0),
@@ -315,11 +315,6 @@ def summarise(runs: list[dict], concurrencies: list[int], placements: list[str],
                 out[key][f"{side} vs llama-server"] = ratios_of(side, "llama-server")
                 out[key][f"{side} vs modeld"] = ratios_of(side, "modeld")
             if with_vllm:
-                out[key]["medians"].update({f"{side} {m}": statistics.median(series(side, m, s))
-                                            for side in TORCH_PAIR
-                                            for m, s in (("output_token_throughput", "avg"),
-                                                         ("time_to_first_token", "p50"),
-                                                         ("inter_token_latency", "p50"))})
                 out[key]["modeld-torch vs vllm"] = ratios_of("modeld-torch", "vllm")
     return out
 
