@@ -156,11 +156,15 @@ class LlamaCppOptions(_Options):
     n_slots: int = _int(8, minimum=1)
     context_length: int = _int(4096, minimum=1)
     n_threads: int = _int(2, minimum=1)
-    max_step_tokens: int = _int(512, minimum=1)
+    # llama-server's n_batch: a burst of prompts (8 of ~140 tokens) prefills
+    # in one step, so streams that start together decode together after it;
+    # split over steps, each stream's decode waited through the others'
+    # prompt chunks (aiperf, 32 clients: 146 ms between tokens, 108 ms here)
+    max_step_tokens: int = _int(2048, minimum=1)
     # prompt tokens per step, over all prompts in it (slot_scheduler.SlotConfig);
     # as many as a step takes: under steady arrivals fewer, fuller steps won
     # 1.3x the tok/s of 32-token chunks (docs/benchmarks.md#prefill-chunks)
-    max_prefill_tokens: int = _int(512, minimum=1)
+    max_prefill_tokens: int = _int(2048, minimum=1)
     max_waiting: int = _int(256, minimum=1)  # 0 would refuse every request
     draft_model: str = _model_name()
     draft_path: str = _internal_path()  # the engine resolves draft_model to it

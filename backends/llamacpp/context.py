@@ -21,6 +21,7 @@ from modeld.backends.llamacpp.native_sampling import PickCounts, decode_picking,
 
 
 _LLAMA = None
+MAX_UBATCH = 512  # tokens per llama.cpp micro-batch (n_ubatch)
 
 
 def _llama():
@@ -178,7 +179,11 @@ class LlamaContext:
     def __init__(self, model: LlamaModel, n_ctx: int, n_slots: int, n_batch: int, n_threads: int) -> None:
         llama = _llama()
         params = llama.llama_context_default_params()
-        params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
+        # llama.cpp splits a batch into micro-batches of n_ubatch tokens; its
+        # compute buffers grow with n_ubatch, and on a CPU a prompt token costs
+        # the same in a micro-batch of 32 or 512, so a long step runs as
+        # several (llama-server's default, 512)
+        params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, min(n_batch, MAX_UBATCH)
         params.n_seq_max, params.n_threads, params.n_threads_batch = n_slots, n_threads, n_threads
         # One KV stream per slot. A shared (unified) cache interleaves the
         # slots' cells; after a prefix-cache trim a sequence's new cells can

@@ -121,7 +121,7 @@ def test_prompt_tokens_per_step_are_capped_and_decodes_are_not_counted():
 
 
 def test_llamacpp_prompt_tokens_per_step_default_and_bounds():
-    assert parse_options("m", "llamacpp", {}).max_prefill_tokens == 512
+    assert parse_options("m", "llamacpp", {}).max_prefill_tokens == 2048
     assert parse_options("m", "llamacpp", {"max_prefill_tokens": 32}).max_prefill_tokens == 32
     with pytest.raises(Exception, match="max_prefill_tokens"):
         parse_options("m", "llamacpp", {"max_prefill_tokens": 0})

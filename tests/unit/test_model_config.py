@@ -349,7 +349,7 @@ def test_a_model_without_option_tables_gets_every_backend_default():
     assert (options.onnx.intra_op_threads, options.onnx.inter_op_threads, options.onnx.allow_spinning) == (0, 0, 1)
     llama = options.llamacpp
     assert (llama.n_ctx, llama.n_slots, llama.context_length, llama.n_threads, llama.max_step_tokens,
-            llama.max_waiting, llama.draft_model, llama.draft_path) == (32768, 8, 4096, 2, 512, 256, "", "")
+            llama.max_waiting, llama.draft_model, llama.draft_path) == (32768, 8, 4096, 2, 2048, 256, "", "")
     torch = options.torch
     assert (torch.block_size, torch.num_blocks, torch.context_length, torch.max_running, torch.max_step_tokens,
             torch.max_waiting, torch.dtype, torch.threads, torch.device, torch.compile, torch.draft_model) == (

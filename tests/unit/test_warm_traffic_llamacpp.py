@@ -180,24 +180,28 @@ def test_a_cached_prefix_away_from_the_running_block_is_copied_next_to_it_and_ma
     assert warm == cold
 
 
-def _prompt_steps(monkeypatch, max_prefill_tokens: int) -> tuple[list[list[int]], list[tuple[int, int]]]:
-    """Three prompts sent together: their greedy tokens and, per step that
-    carried prompt tokens, (prompt tokens, those in chunks). A sequence with
-    one prompt token left feeds it beside the decodes, outside the cap."""
-    model = _load(monkeypatch, PassCounter(), max_prefill_tokens=max_prefill_tokens)
-    assert model.scheduler.config.max_prefill_tokens == max_prefill_tokens
+def _prompt_steps(monkeypatch, prompts: list[str], new_tokens: int, **overrides
+                  ) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
+    """Prompts sent together: their greedy tokens and, per step with work, (prompt
+    tokens, those in chunks, sequences decoding). A sequence with one
+    prompt token left feeds it beside the decodes, outside the cap."""
+    model = _load(monkeypatch, PassCounter(), **overrides)
+    for key, value in overrides.items():
+        assert getattr(model.scheduler.config, key) == value
     steps = []
     run = model.context.run
 
     def recorded(plan, **how):
         running = {seq.seq_id: seq for seq in model.scheduler.running}
-        prompt = chunks = 0
+        prompt = chunks = decoding = 0
         for w in plan.work:
             seq = running[w.seq_id]
             n = max(0, min(w.start_pos + len(w.token_ids), seq.num_prompt) - w.start_pos)
             prompt += n
             chunks += n if seq.is_prefilling else 0
-        steps.append((prompt, chunks))
+            decoding += n == 0
+        if plan.work:  # not a step that only frees slots
+            steps.append((prompt, chunks, decoding))
         return run(plan, **how)
 
     model.context.run = recorded
@@ -205,20 +209,40 @@ def _prompt_steps(monkeypatch, max_prefill_tokens: int) -> tuple[list[list[int]]
     async def go():
         await model.start()
         try:
-            return await asyncio.gather(*(_generate(model, p, 6, ignore_eos=True) for p in STREAMS[:3]))
+            return await asyncio.gather(*(_generate(model, p, new_tokens, ignore_eos=True) for p in prompts))
         finally:
             await model.stop()
 
     try:
-        return asyncio.run(go()), [s for s in steps if s[0]]
+        return asyncio.run(go()), steps
     finally:
         model.unload()
 
 
 def test_prompts_arriving_together_are_fed_a_few_tokens_per_step_with_the_same_tokens_out(monkeypatch):
-    whole_tokens, whole = _prompt_steps(monkeypatch, 512)
-    capped_tokens, capped = _prompt_steps(monkeypatch, 8)
-    assert sum(p for p, _ in capped) == sum(p for p, _ in whole)  # every prompt token fed once
-    assert max(c for _, c in capped) <= 8 < max(c for _, c in whole)
+    whole_tokens, whole = _prompt_steps(monkeypatch, STREAMS[:3], 6, max_prefill_tokens=512)
+    capped_tokens, capped = _prompt_steps(monkeypatch, STREAMS[:3], 6, max_prefill_tokens=8)
+    whole, capped = [s for s in whole if s[0]], [s for s in capped if s[0]]
+    assert sum(p for p, _, _ in capped) == sum(p for p, _, _ in whole)  # every prompt token fed once
+    assert max(c for _, c, _ in capped) <= 8 < max(c for _, c, _ in whole)
     assert len(capped) > len(whole)
     assert capped_tokens == whole_tokens
+
+
+def test_a_burst_of_long_prompts_prefills_in_one_step_and_its_streams_decode_together(monkeypatch):
+    """As shipped, 8 prompts of ~150 tokens sent together (aiperf's shape)
+    fill one step, run by llama.cpp as micro-batches of 512; then all 8
+    decode in every step and finish in the same one. Split over steps
+    (512 prompt tokens a step), streams that started a step apart kept
+    decoding through each other's prompt chunks."""
+    model = _load(monkeypatch, PassCounter())
+    try:
+        assert (llama_cpp.llama_n_batch(model.context.ctx), llama_cpp.llama_n_ubatch(model.context.ctx)) == (2048, 512)
+    finally:
+        model.unload()
+    prompts = [f"{topic} " + "Answer in plain words, one short sentence at a time. " * 12 for topic in STREAMS]
+    tokens, steps = _prompt_steps(monkeypatch, prompts, 5)
+    prompt_steps = [s for s in steps if s[0]]
+    assert len(prompt_steps) == 1 and prompt_steps[0][0] > 8 * 128 and prompt_steps[0][2] == 0
+    assert steps[steps.index(prompt_steps[0]) + 1:] == [(0, 0, 8)] * 4
+    assert [len(t) for t in tokens] == [5] * 8
