@@ -194,6 +194,10 @@ def aiperf(url: str, concurrency: int, pinned: bool, artifacts: Path, waves: int
            "--synthetic-input-tokens-mean", str(INPUT_TOKENS), "--synthetic-input-tokens-stddev", "0",
            "--output-tokens-mean", str(OUTPUT_TOKENS), "--output-tokens-stddev", "0",
            "--extra-inputs", "ignore_eos:true", "--random-seed", str(seed),
+           # a connection per request: llama-server (cpp-httplib) closes a keep-alive
+           # connection idle for 5 s, and aiperf's pool then wrote requests into closed
+           # ones (ClientOSError, 1-3 failed requests a run, left out of its figures)
+           "--connection-reuse-strategy", "never",
            "--artifact-dir", str(artifacts), "--ui", "none"]
     if pinned:
         cmd = ["taskset", "-c", "1"] + cmd
@@ -216,7 +220,19 @@ def aiperf(url: str, concurrency: int, pinned: bool, artifacts: Path, waves: int
             "time_to_first_token": metric("time_to_first_token"),
             "inter_token_latency": metric("inter_token_latency"),
             "request_count": metric("request_count"), "error_request_count": metric("error_request_count"),
-            "wall_s": time.monotonic() - started}
+            "errors": errors(data), "wall_s": time.monotonic() - started}
+
+
+def errors(data: dict) -> list[dict]:
+    """aiperf's failed requests by cause (its error_summary): a failed
+    request leaves the side's throughput and latency figures, so a side
+    with failures must say why."""
+    out = []
+    for entry in data.get("error_summary") or []:
+        details = entry.get("error_details") or {}
+        out.append({"count": entry.get("count"), "code": details.get("code"), "type": details.get("type"),
+                    "message": str(details.get("message") or "")[:300]})
+    return out
 
 
 def race(rounds: int, concurrencies: list[int], placements: list[str], waves: int,
@@ -255,7 +271,9 @@ def race(rounds: int, concurrencies: list[int], placements: list[str], waves: in
                             print(f"round {r}, {side}, concurrency {concurrency}, {placement}: "
                                   f"{figures['output_token_throughput'].get('avg', 0):.1f} tok/s, ttft p50 "
                                   f"{figures['time_to_first_token'].get('p50', 0):.0f} ms, itl p50 "
-                                  f"{figures['inter_token_latency'].get('p50', 0):.1f} ms", flush=True)
+                                  f"{figures['inter_token_latency'].get('p50', 0):.1f} ms"
+                                  + "".join(f"; {e['count']} failed: {e['code']} {e['message'][:120]}"
+                                            for e in figures["errors"]), flush=True)
             finally:
                 for node in nodes.values():
                     node.stop()

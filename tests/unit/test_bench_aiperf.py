@@ -48,3 +48,10 @@ def test_every_cell_of_the_race_gets_prompts_of_its_own():
     seeds = [bench.cell_seed(*cell) for cell in cells]
     assert len(set(seeds)) == len(cells)
     assert bench.cell_seed(1, 8, "pinned") == bench.cell_seed(1, 8, "pinned")
+
+
+def test_failed_requests_are_recorded_with_their_cause():
+    data = {"error_summary": [{"count": 2, "error_details": {"code": 500, "type": "HTTPError",
+                                                             "message": "the context is full"}}]}
+    assert bench.errors(data) == [{"count": 2, "code": 500, "type": "HTTPError", "message": "the context is full"}]
+    assert bench.errors({}) == [] == bench.errors({"error_summary": None})
