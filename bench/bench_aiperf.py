@@ -12,7 +12,9 @@ Sampling is each server's default for a request that names none (aiperf
 sends no temperature); ignore_eos makes every answer 64 tokens on both.
 
 Both servers stay up for a round; each aiperf run starts once both are idle
-(racing.settle). Per round, per concurrency (8, 32) and per placement of
+(racing.settle), and sends each request on a connection of its own (aiperf's
+pool wrote requests into keep-alive connections llama-server had closed).
+A side's failed requests are recorded with their cause (`errors`). Per round, per concurrency (8, 32) and per placement of
 the harness: unpinned (as a user runs it: harness and server share both
 cores) and pinned (`taskset -c 1`: the harness on one core; the server
 still sees both), the sides run in an order that alternates between rounds.
