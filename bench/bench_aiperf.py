@@ -14,10 +14,11 @@ sends no temperature); ignore_eos makes every answer 64 tokens on both.
 Both servers stay up for a round; each aiperf run starts once both are idle
 (racing.settle), and sends each request on a connection of its own (aiperf's
 pool wrote requests into keep-alive connections llama-server had closed).
-A side's failed requests are recorded with their cause (`errors`). Per round, per concurrency (8, 32) and per placement of
-the harness: unpinned (as a user runs it: harness and server share both
-cores) and pinned (`taskset -c 1`: the harness on one core; the server
-still sees both), the sides run in an order that alternates between rounds.
+A side's failed requests are recorded with their cause (`errors`).
+Per round, per concurrency (8, 32) and per placement of the harness:
+unpinned (as a user runs it: harness and server share both cores) and
+pinned (`taskset -c 1`: the harness on one core; the server still sees
+both), the sides run in an order that alternates between rounds.
 Ratios are modeld / llama-server per round, reported as medians: output
 token throughput (higher is better), time to first token p50 and
 inter-token latency p50 (lower is better).
