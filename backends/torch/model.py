@@ -141,6 +141,34 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_index: torch.Tensor,
+                     mask: torch.Tensor | None, n_kv_heads: int) -> torch.Tensor:
+    """One query per sequence against its cached context, written as plain
+    reductions for inductor. q: [S, heads, head_dim]; kv_index: [S, C];
+    mask: [S, 1, 1, C] or None. Returns [S, heads * head_dim].
+
+    Compiled, the cache reads happen inside the reduction loops, through
+    kv_index: no gathered copy of each sequence's keys and values is written
+    and read back, and inductor fuses the rotary, the cache writes and the
+    softmax into the same kernel. Measured on this CPU, 8 sequences of up to
+    128 positions: 165 us a layer against 240 for index_select followed by
+    scaled_dot_product_attention in the compiled layer; eager, this form
+    would materialise [S, C, heads, head_dim] products, so it is used only
+    under torch.compile."""
+    num_seqs, max_c = kv_index.shape
+    heads, head_dim = q.shape[1], q.shape[2]
+    group = heads // n_kv_heads
+    keys = k_cache[kv_index]  # [S, C, kv_heads, head_dim], never materialised once compiled
+    scores = (q.view(num_seqs, 1, n_kv_heads, group, head_dim) * keys[:, :, :, None, :]).sum(-1)
+    scores = scores * head_dim ** -0.5  # [S, C, kv_heads, group]
+    if mask is not None:
+        scores = scores.masked_fill(~mask.view(num_seqs, max_c, 1, 1), float("-inf"))
+    weights = torch.softmax(scores, dim=1)
+    values = v_cache[kv_index]
+    out = (weights[..., None] * values[:, :, :, None, :]).sum(1)  # [S, kv_heads, group, head_dim]
+    return out.reshape(num_seqs, heads * head_dim)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, bias: bool) -> None:
         super().__init__()
@@ -169,6 +197,11 @@ class Attention(nn.Module):
         k_cache.index_copy_(0, batch.slots, k)
         v_cache.index_copy_(0, batch.slots, v)
         num_seqs, max_c = batch.kv_index.shape
+        if batch.query_index is None and q.device.type == "cpu" and torch.compiler.is_compiling():
+            out = decode_attention(q, k_cache, v_cache, batch.kv_index, batch.mask, self.n_kv_heads)
+            result = project(out, self.wo)
+            delta = out_delta(lora, out) if lora is not None else None
+            return result if delta is None else result + delta
         if batch.query_index is None:  # one token per sequence
             max_q, queries = 1, q.reshape(num_seqs, 1, self.n_heads, self.head_dim)
         else:
@@ -319,7 +352,10 @@ class Transformer(nn.Module):
         # sizes that happen to be equal (a prompt's length and its context) must not
         # become one symbol, or the first step where they differ compiles anew mid-request
         fx_config.use_duck_shape = False
-        self.run_layer = torch.compile(run_layer, dynamic=True)
+        # size_asserts off: the generated wrapper re-checks every input's sizes
+        # and strides on each call (about 15 a layer, 30 layers a step), which
+        # dynamo's guards have already checked before the graph runs
+        self.run_layer = torch.compile(run_layer, dynamic=True, options={"size_asserts": False})
         self.compiled = True
 
     def new_kv_caches(self, cells: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -112,6 +112,34 @@ def test_the_packed_product_is_the_plain_one():
         assert torch.allclose(packed_project(x, packed), cpu_project(x, weight), atol=1e-4)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_compiled_decode_attention_is_the_gathered_one(masked):
+    """The decode step's attention as the compiled layer runs it (reductions
+    reading the cache through the block index) against the eager form
+    (gather, then scaled_dot_product_attention), grouped-query heads."""
+    import torch.nn.functional as F
+
+    from modeld.backends.torch.model import decode_attention
+
+    torch.manual_seed(0)
+    seqs, heads, kv_heads, head_dim, cells = 4, 6, 2, 16, 256
+    lengths = torch.tensor([5, 17, 9, 32]) if masked else torch.full((seqs,), 32)
+    context = int(lengths.max())
+    k_cache, v_cache = torch.randn(cells, kv_heads, head_dim), torch.randn(cells, kv_heads, head_dim)
+    kv_index = torch.stack([torch.randperm(cells)[:context] for _ in range(seqs)])
+    mask = (torch.arange(context)[None, :] < lengths[:, None])[:, None, None, :] if masked else None
+    q = torch.randn(seqs, heads, head_dim)
+
+    keys = k_cache[kv_index].transpose(1, 2)  # [S, kv_heads, C, head_dim]
+    values = v_cache[kv_index].transpose(1, 2)
+    expected = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, enable_gqa=True)
+    expected = expected.reshape(seqs, heads * head_dim)
+    compiled = torch.compile(decode_attention, dynamic=True)
+    got = compiled(q, k_cache, v_cache, kv_index, mask, kv_heads)
+    assert got.shape == expected.shape
+    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+
+
 def test_the_memory_estimate_is_what_the_load_reports(runtime):
     # weights (the packed copy of a tied projection included) and KV pools of
     # target and draft, read from the GGUF headers before loading
