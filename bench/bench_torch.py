@@ -224,6 +224,7 @@ class DecodeFloor:
                                    layer.feed_forward.w2)]
         self.matrices.append(model.head_weight().detach())
         self.params = sum(m.numel() for m in self.matrices)
+        self.n_layers, self.n_heads, self.n_kv_heads = model.args.n_layers, model.args.n_heads, model.args.n_kv_heads
         # the product the served model runs: oneDNN's on packed weights where it packs them
         self.project = packed_project if model.packed else cpu_project
         self.kernel = "modeld.backends.torch.model." + ("packed_project" if model.packed else "cpu_project")
@@ -237,6 +238,74 @@ class DecodeFloor:
                 for matrix in self.matrices:
                     self.project(inputs[matrix.shape[1]], matrix)
                 times.append(time.perf_counter() - start)
+        return times
+
+
+class StepOverhead:
+    """What one decode step of modeld's forward pass costs apart from its
+    arithmetic: a model with the served one's layer count, heads and code
+    path (compiled layers, packed products, decode attention over the paged
+    cache) at widths too small to cost anything (vocabulary 256, width 72,
+    MLP 64), timed like DecodeFloor. What is left is torch's dispatch, each
+    compiled layer's entry and wrapper, oneDNN's set-up per product and
+    OpenMP's parallel regions, which a step pays once whatever the weights
+    weigh. The decode floor already holds oneDNN's set-up of its products,
+    so `beyond_products` leaves out this model's own products (timed as
+    DecodeFloor times them): what remains adds to the decode floor, and the
+    sum bounds the forward pass from below. Shared with bench_torch_vllm.py."""
+
+    BLOCK = 16
+
+    def __init__(self, n_layers: int, n_heads: int = 9, n_kv_heads: int = 3) -> None:
+        from modeld.backends.torch.backend import _compile
+        from modeld.backends.torch.model import Transformer
+        from modeld.backends.torch.weights import ModelArgs
+
+        args = ModelArgs(vocab_size=256, dim=8 * n_heads, n_layers=n_layers, n_heads=n_heads,
+                         n_kv_heads=n_kv_heads, hidden_dim=64, norm_eps=1e-5, rope_theta=10000.0,
+                         max_seq_len=2048, tie_embeddings=True)
+        torch.manual_seed(0)
+        self.model = Transformer(args, max_positions=2048)
+        for parameter in self.model.parameters():
+            torch.nn.init.normal_(parameter, std=0.02)
+        self.model.eval().pack_weights()
+        self.k_caches, self.v_caches = self.model.new_kv_caches(64 * self.BLOCK * 8)
+        self.compiled = _compile(self.model, self.k_caches, self.v_caches, self.BLOCK, torch.device("cpu"))
+        layers = self.model.layers
+        self.matrices = [w for layer in layers for w in (layer.attention.wqkv, layer.attention.wo,
+                                                         layer.feed_forward.w13, layer.feed_forward.w2)]
+        self.matrices.append(self.model.head_weight())
+
+    def beyond_products(self, rows: int, repeats: int = 5) -> float:
+        """Seconds a step spends outside its matrix products, best of `repeats`."""
+        from modeld.backends.torch.model import cpu_project, packed_project
+
+        project = packed_project if self.model.packed else cpu_project
+        # products' input widths: the model's width, and the MLP's for the down projection
+        inputs = {width: torch.randn(rows, width) for width in (self.model.args.dim, self.model.args.hidden_dim)}
+        products = []
+        with torch.inference_mode():
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for matrix in self.matrices:
+                    project(inputs[matrix.shape[1]], matrix)
+                products.append(time.perf_counter() - start)
+        return max(0.0, min(self.step_times(rows, repeats=repeats)) - min(products))
+
+    def step_times(self, rows: int, context: int = 64, repeats: int = 5) -> list[float]:
+        from modeld.backends.generation.interface import PagedWork, StepPlan
+        from modeld.backends.torch.step import build_step
+
+        blocks = -(-(context + 1) // self.BLOCK)
+        plan = StepPlan((), tuple(PagedWork(s, context, (1,), 1, 0, tuple(range(s * blocks, (s + 1) * blocks)))
+                                  for s in range(rows)))
+        batch = build_step(plan, self.BLOCK, torch.device("cpu"))
+        self.model(batch, self.k_caches, self.v_caches)  # a shape compiled at load; this call only warms
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.model(batch, self.k_caches, self.v_caches)
+            times.append(time.perf_counter() - start)
         return times
 
 

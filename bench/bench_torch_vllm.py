@@ -25,7 +25,9 @@ over rounds of the per-round ratio; (issue 30) the time to first token at
 one stream <= 1.0x vLLM's, the median of the rounds' ratios of p50s. Reported, never asserted. Each round also
 times the machine's ceiling for a decode step (bench_torch.DecodeFloor: the bare weight
 products, in this process while both servers idle), and both servers' rates
-are reported as a share of it.
+are reported as a share of it; and what modeld's forward pass spends beyond
+its products (bench_torch.StepOverhead: the served layer count and code
+path at no width), which with the floor bounds modeld's forward pass.
 
     .venv/bin/python bench/bench_torch_vllm.py [--rounds 5] [--tokens 64] [--compile]
 
@@ -53,7 +55,7 @@ RESULTS = ROOT / "bench" / "results"
 from racing import goal, machine, median_ratio, round_order, settle  # noqa: E402
 from vllm_server import SERVED_NAME, VENV, VllmServer, missing  # noqa: E402
 
-from bench_torch import DecodeFloor  # noqa: E402
+from bench_torch import DecodeFloor, StepOverhead  # noqa: E402
 
 MODEL = "smollm2-torch"
 SIDES = ("modeld", "vllm")
@@ -91,14 +93,19 @@ def repository() -> Path:
     return repo
 
 
-def floor_block(floor: DecodeFloor, streams: int) -> dict:
+def floor_block(floor: DecodeFloor, overhead: StepOverhead, streams: int) -> dict:
     """bench_torch's decode floor (every weight product of one fp32 decode
     step, modeld's kernel, nothing else) as tokens/s, best of five: a decode
     step streams every weight from memory, so this bare loop is the machine's
     ceiling for either server. It leaves out prefill, attention and sampling,
-    so no server can reach it."""
+    so no server can reach it. With it, what modeld's forward pass spends
+    beyond its products on a model of no width (StepOverhead): the floor
+    plus that is the most modeld's own forward pass could reach here, its
+    arithmetic outside the products aside."""
     best = min(floor.step_times(streams))
+    beyond = overhead.beyond_products(streams)
     return {"tokens_per_s": round(streams / best, 2), "step_ms": round(best * 1e3, 2),
+            "overhead_ms": round(beyond * 1e3, 2), "forward_bound_tokens_per_s": round(streams / (best + beyond), 2),
             "load_avg_1m": round(os.getloadavg()[0], 2)}
 
 
@@ -162,7 +169,7 @@ class Sides:
                 "load_avg_1m": round(os.getloadavg()[0], 2), "settled_s": round(settled_s, 2), "texts": [r["text"] for r in results]}
 
 
-async def race(sides: Sides, floor: DecodeFloor, rounds: int) -> list[dict]:
+async def race(sides: Sides, floor: DecodeFloor, overhead: StepOverhead, rounds: int) -> list[dict]:
     for side in SIDES:  # warm-up, unrecorded
         await sides.block(side, PROMPTS)
         await sides.block(side, PROMPTS[:1])
@@ -177,12 +184,14 @@ async def race(sides: Sides, floor: DecodeFloor, rounds: int) -> list[dict]:
             row["streams1"][side] = await sides.block(side, one)
         # the ceiling in the same round, with both servers idle
         await asyncio.to_thread(settle, sides.pids)
-        row["ceiling"] = {"streams8": floor_block(floor, len(PROMPTS)), "streams1": floor_block(floor, 1)}
+        row["ceiling"] = {"streams8": floor_block(floor, overhead, len(PROMPTS)),
+                          "streams1": floor_block(floor, overhead, 1)}
         out.append(row)
         print(f"round {index + 1}/{rounds} ({' then '.join(order)}): 8 streams " + ", ".join(
             f"{s} {row['streams8'][s]['tokens_per_s']:.1f}" for s in SIDES) + " tok/s; 1 stream " + ", ".join(
             f"{s} {row['streams1'][s]['tokens_per_s']:.1f}" for s in SIDES) + " tok/s; decode floor "
-            f"{row['ceiling']['streams8']['tokens_per_s']:.1f} / {row['ceiling']['streams1']['tokens_per_s']:.1f} tok/s "
+            f"{row['ceiling']['streams8']['tokens_per_s']:.1f} / {row['ceiling']['streams1']['tokens_per_s']:.1f} tok/s, "
+            f"step overhead {row['ceiling']['streams8']['overhead_ms']:.1f} / {row['ceiling']['streams1']['overhead_ms']:.1f} ms "
             f"(load {os.getloadavg()[0]:.2f})",
             flush=True)
     return out
@@ -193,8 +202,12 @@ def summarise(rounds: list[dict]) -> tuple[dict, dict, dict, dict]:
     for scenario in ("streams8", "streams1"):
         rate = {s: [r[scenario][s]["tokens_per_s"] for r in rounds] for s in SIDES}
         floor = [r["ceiling"][scenario]["tokens_per_s"] for r in rounds]
+        bound = [r["ceiling"][scenario]["forward_bound_tokens_per_s"] for r in rounds]
         ceiling[scenario] = {"decode_floor_tokens_per_s": statistics.median(floor),
-                             **{f"{s}_over_floor": round(median_ratio(rate[s], floor), 3) for s in SIDES}}
+                             **{f"{s}_over_floor": round(median_ratio(rate[s], floor), 3) for s in SIDES},
+                             "step_overhead_ms": statistics.median(r["ceiling"][scenario]["overhead_ms"] for r in rounds),
+                             "forward_bound_tokens_per_s": statistics.median(bound),
+                             "modeld_over_forward_bound": round(median_ratio(rate["modeld"], bound), 3)}
         # where the goal sits against the machine: the fraction of the floor
         # modeld must reach to beat vLLM by the goal at vLLM's own fraction
         # (above about 1.0 no server could, the floor leaving out attention,
@@ -245,10 +258,11 @@ def chart(record: dict, path: Path) -> None:
     plt.close(fig)
 
 
-async def run(vllm: VllmServer, daemon, floor: DecodeFloor, rounds: int, tokens: int) -> list[dict]:
+async def run(vllm: VllmServer, daemon, floor: DecodeFloor, overhead: StepOverhead, rounds: int,
+              tokens: int) -> list[dict]:
     sides = Sides(vllm, daemon, tokens)
     try:
-        return await race(sides, floor, rounds)
+        return await race(sides, floor, overhead, rounds)
     finally:
         await sides.close()
 
@@ -287,7 +301,10 @@ def main() -> None:
         floor = DecodeFloor()
         record["decode_floor"] = {"matrices": len(floor.matrices), "parameters": floor.params,
                                   "kernel": floor.kernel, "dtype": "float32"}
-        record["rounds"] = asyncio.run(run(vllm, daemon, floor, args.rounds, args.tokens))
+        overhead = StepOverhead(floor.n_layers, floor.n_heads, floor.n_kv_heads)
+        record["step_overhead"] = {"model": "the served layer count and heads, width 72, MLP 64, vocabulary 256",
+                                   "compiled": overhead.compiled}
+        record["rounds"] = asyncio.run(run(vllm, daemon, floor, overhead, args.rounds, args.tokens))
     finally:
         if daemon is not None:
             daemon.stop()
@@ -310,7 +327,10 @@ def main() -> None:
               f"{record['ceiling'][scenario]['decode_floor_tokens_per_s']:.1f} tok/s (modeld "
               f"{record['ceiling'][scenario]['modeld_over_floor']:.2f}x of it, vLLM "
               f"{record['ceiling'][scenario]['vllm_over_floor']:.2f}x; the goal needs modeld at "
-              f"{record['ceiling'][scenario]['goal_needs_modeld_over_floor']:.2f}x); TTFT "
+              f"{record['ceiling'][scenario]['goal_needs_modeld_over_floor']:.2f}x); step overhead "
+              f"{record['ceiling'][scenario]['step_overhead_ms']:.1f} ms, forward bound "
+              f"{record['ceiling'][scenario]['forward_bound_tokens_per_s']:.1f} tok/s (modeld "
+              f"{record['ceiling'][scenario]['modeld_over_forward_bound']:.2f}x of it); TTFT "
               f"{g['ttft']['ratio']:.2f}x vLLM's")
     print(f"greedy texts identical: {record['greedy_text_agreement']}; load average "
           f"{record['machine']['load_average'][0]:.2f} at start, {record['machine']['load_avg_at_end'][0]:.2f} at end")

@@ -16,9 +16,10 @@ def _side(rate: float, text: str = "t", ttft: float = 100.0) -> dict:
     return {"tokens_per_s": rate, "ttft_p50_ms": ttft, "texts": [text]}
 
 
-def _round(modeld: float, vllm: float, floor: float, ttfts: tuple[float, float] = (100.0, 100.0)) -> dict:
+def _round(modeld: float, vllm: float, floor: float, ttfts: tuple[float, float] = (100.0, 100.0),
+           bound: float = 1.0, overhead_ms: float = 1.0) -> dict:
     scenario = {"modeld": _side(modeld, ttft=ttfts[0]), "vllm": _side(vllm, ttft=ttfts[1])}
-    ceiling = {"tokens_per_s": floor}
+    ceiling = {"tokens_per_s": floor, "forward_bound_tokens_per_s": bound, "overhead_ms": overhead_ms}
     return {"streams8": scenario, "streams1": dict(scenario),
             "ceiling": {"streams8": ceiling, "streams1": ceiling}}
 
@@ -34,6 +35,16 @@ def test_the_goal_is_placed_against_the_floor_at_vllms_own_fraction():
     assert ratios["streams8"]["ratio"] == pytest.approx(75 / 70) and not ratios["streams8"]["met"]
     assert agreement["streams8"] == {"identical_texts": 3, "of": 3}
     assert medians["streams1"]["modeld"]["tokens_per_s"] == 75
+
+
+def test_modeld_is_placed_against_its_forward_bound_of_the_same_rounds():
+    # the floor plus the step's overhead beyond its products: modeld's rate in
+    # each round over that round's bound, the median of those
+    rounds = [_round(70, 80, 100, bound=80, overhead_ms=6), _round(75, 70, 100, bound=100, overhead_ms=8),
+              _round(90, 60, 100, bound=90, overhead_ms=7)]
+    c = bench.summarise(rounds)[3]["streams8"]
+    assert c["modeld_over_forward_bound"] == 0.875  # 70/80, 75/100, 90/90
+    assert c["forward_bound_tokens_per_s"] == 90 and c["step_overhead_ms"] == 7
 
 
 def test_the_first_token_goal_is_the_median_of_the_rounds_ratios_and_lower_is_better():
