@@ -203,6 +203,28 @@ def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
+def projection_matrices(model) -> list[torch.Tensor]:
+    """Every weight a decode step multiplies, in order: each layer's fused
+    q/k/v, output, gate/up and down projections, then the vocabulary
+    projection as the forward pass runs it."""
+    matrices = [w.detach() for layer in model.layers
+                for w in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2)]
+    return [*matrices, model.head_weight().detach()]
+
+
+def product_times(matrices: list[torch.Tensor], project, rows: int, repeats: int = 5) -> list[float]:
+    """Seconds to multiply every matrix once by `rows` inputs, `repeats` times."""
+    inputs = {m.shape[1]: torch.randn(rows, m.shape[1]) for m in matrices}
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for matrix in matrices:
+                project(inputs[matrix.shape[1]], matrix)
+            times.append(time.perf_counter() - start)
+    return times
+
+
 class DecodeFloor:
     """Only the matrix products of one decode step, through the fp32 form
     the served model uses (oneDNN on packed weights, or MKL's cpu_project
@@ -219,10 +241,7 @@ class DecodeFloor:
         model = _build_model(ModelFormat.GGUF, GGUF, GGUF.parent, torch.device("cpu"), torch.float32, 2048)
         from modeld.backends.torch.model import cpu_project, packed_project
 
-        self.matrices = [w.detach() for layer in model.layers
-                         for w in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13,
-                                   layer.feed_forward.w2)]
-        self.matrices.append(model.head_weight().detach())
+        self.matrices = projection_matrices(model)
         self.params = sum(m.numel() for m in self.matrices)
         self.n_layers, self.n_heads, self.n_kv_heads = model.args.n_layers, model.args.n_heads, model.args.n_kv_heads
         # the product the served model runs: oneDNN's on packed weights where it packs them
@@ -230,15 +249,7 @@ class DecodeFloor:
         self.kernel = "modeld.backends.torch.model." + ("packed_project" if model.packed else "cpu_project")
 
     def step_times(self, rows: int, repeats: int = 5) -> list[float]:
-        inputs = {m.shape[1]: torch.randn(rows, m.shape[1]) for m in self.matrices}
-        times = []
-        with torch.inference_mode():
-            for _ in range(repeats):
-                start = time.perf_counter()
-                for matrix in self.matrices:
-                    self.project(inputs[matrix.shape[1]], matrix)
-                times.append(time.perf_counter() - start)
-        return times
+        return product_times(self.matrices, self.project, rows, repeats)
 
 
 class StepOverhead:
@@ -271,25 +282,14 @@ class StepOverhead:
         self.model.eval().pack_weights()
         self.k_caches, self.v_caches = self.model.new_kv_caches(64 * self.BLOCK * 8)
         self.compiled = _compile(self.model, self.k_caches, self.v_caches, self.BLOCK, torch.device("cpu"))
-        layers = self.model.layers
-        self.matrices = [w for layer in layers for w in (layer.attention.wqkv, layer.attention.wo,
-                                                         layer.feed_forward.w13, layer.feed_forward.w2)]
-        self.matrices.append(self.model.head_weight())
+        self.matrices = projection_matrices(self.model)
 
     def beyond_products(self, rows: int, repeats: int = 5) -> float:
         """Seconds a step spends outside its matrix products, best of `repeats`."""
         from modeld.backends.torch.model import cpu_project, packed_project
 
         project = packed_project if self.model.packed else cpu_project
-        # products' input widths: the model's width, and the MLP's for the down projection
-        inputs = {width: torch.randn(rows, width) for width in (self.model.args.dim, self.model.args.hidden_dim)}
-        products = []
-        with torch.inference_mode():
-            for _ in range(repeats):
-                start = time.perf_counter()
-                for matrix in self.matrices:
-                    project(inputs[matrix.shape[1]], matrix)
-                products.append(time.perf_counter() - start)
+        products = product_times(self.matrices, project, rows, repeats)
         return max(0.0, min(self.step_times(rows, repeats=repeats)) - min(products))
 
     def step_times(self, rows: int, context: int = 64, repeats: int = 5) -> list[float]:

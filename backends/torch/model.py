@@ -196,12 +196,20 @@ class Attention(nn.Module):
         # caches: [num_blocks * block_size, kv_heads, head_dim]
         k_cache.index_copy_(0, batch.slots, k)
         v_cache.index_copy_(0, batch.slots, v)
-        num_seqs, max_c = batch.kv_index.shape
         if batch.query_index is None and q.device.type == "cpu" and torch.compiler.is_compiling():
             out = decode_attention(q, k_cache, v_cache, batch.kv_index, batch.mask, self.n_kv_heads)
-            result = project(out, self.wo)
-            delta = out_delta(lora, out) if lora is not None else None
-            return result if delta is None else result + delta
+        else:
+            out = self._gathered_attention(q, batch, k_cache, v_cache)
+        result = project(out, self.wo)
+        delta = out_delta(lora, out) if lora is not None else None
+        return result if delta is None else result + delta
+
+    def _gathered_attention(self, q: torch.Tensor, batch: StepBatch, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor) -> torch.Tensor:
+        """Each sequence's context gathered into a padded batch, then
+        scaled_dot_product_attention once. q: [T, heads, head_dim] -> [T, dim]."""
+        tokens = q.shape[0]
+        num_seqs, max_c = batch.kv_index.shape
         if batch.query_index is None:  # one token per sequence
             max_q, queries = 1, q.reshape(num_seqs, 1, self.n_heads, self.head_dim)
         else:
@@ -217,9 +225,7 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(num_seqs * max_q, self.q_width)  # [S * Q, dim]
         if batch.query_rows is not None:
             out = out.index_select(0, batch.query_rows)  # [T, dim], in token order
-        result = project(out, self.wo)
-        delta = out_delta(lora, out) if lora is not None else None
-        return result if delta is None else result + delta
+        return out
 
 
 class FeedForward(nn.Module):
