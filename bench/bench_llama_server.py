@@ -28,7 +28,12 @@ the comparison a user of either's OpenAI API makes. The default (grpc)
 streams modeld's Generate and llama-server's native /completion. The
 ceiling's gRPC rows are timed either way.
 
-    .venv/bin/python bench/bench_llama_server.py [--rounds 5] [--protocol grpc|http]
+--threads N gives both servers and batched-bench N compute threads (2,
+every core here, by default); with 1, a core is left to each server's own
+work (its HTTP front, modeld's daemon and step loop, the client): how the
+race runs on a machine with a core to spare beside the decode.
+
+    .venv/bin/python bench/bench_llama_server.py [--rounds 5] [--protocol grpc|http] [--threads 2]
 
 Writes bench/results/llama_server.json and llama_server.png (--output: elsewhere).
 """
@@ -40,10 +45,12 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,10 +71,10 @@ THREADS = 2
 class LlamaServer:
     """llama.cpp's llama-server: 8 slots, continuous batching (its default)."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int = THREADS) -> None:
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [str(PEER_BIN / "llama-server"), "-m", str(GGUF), "-t", str(THREADS), "-tb", str(THREADS),
+            [str(PEER_BIN / "llama-server"), "-m", str(GGUF), "-t", str(threads), "-tb", str(threads),
              "-np", "8", "-c", "16384", "--host", "127.0.0.1", "--port", str(self.port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -177,13 +184,13 @@ async def run_modeld(node: Modeld) -> dict:
     return {"single": single, "fresh": fresh, "warm": warm}
 
 
-def batched_bench(sequences: str = "1,8") -> dict:
+def batched_bench(sequences: str = "1,8", threads: int = THREADS) -> dict:
     """llama-batched-bench's decode speed at 1 and 8 sequences: what this
     hardware does on the same work with no server around it. A count given
     more than once runs that many times: its figures are the medians."""
     out = subprocess.run(
         [str(PEER_BIN / "llama-batched-bench"), "-m", str(GGUF), "-c", "4096", "-b", "512", "-ub", "512",
-         "-npp", "32", "-ntg", str(NEW_TOKENS), "-npl", sequences, "-t", str(THREADS)],
+         "-npp", "32", "-ntg", str(NEW_TOKENS), "-npl", sequences, "-t", str(threads)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=True, timeout=600).stdout
     # table rows: |  PP |  TG |  B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
     runs: dict[int, list[tuple[float, float]]] = {}
@@ -198,7 +205,7 @@ def batched_bench(sequences: str = "1,8") -> dict:
             for n, got in runs.items()}
 
 
-def grpc_ceiling(rate: float, sequences: int = 1) -> dict:
+def grpc_ceiling(rate: float, sequences: int = 1, threads: int = THREADS) -> dict:
     """batched-bench's decode of `sequences` sequences (median of three)
     while as many bare gRPC streams, `rate` tokens a second in all, run from
     a Python server to a Python client (grpc_load.py), and right before
@@ -207,55 +214,85 @@ def grpc_ceiling(rate: float, sequences: int = 1) -> dict:
     sequence lasts about a second and a half here, too short to stand alone
     on this machine."""
     runs = ",".join([str(sequences)] * 3)
-    plain = batched_bench(runs)[sequences]["decode_tok_s"]
+    plain = batched_bench(runs, threads)[sequences]["decode_tok_s"]
     with GrpcStreamLoad(rate, streams=sequences) as load:
-        loaded = batched_bench(runs)[sequences]["decode_tok_s"]
+        loaded = batched_bench(runs, threads)[sequences]["decode_tok_s"]
     return {"decode_tok_s": loaded, "plain_decode_tok_s": plain, "load": load.figures}
 
 
 SIDES = ["modeld", "llama-server", "ceiling"]
 
 
-async def race(rounds: int, protocol: str) -> dict:
+def repository_with_threads(threads: int, into: Path) -> Path:
+    """models/smollm2 (and the draft its config names) in a repository of
+    their own under `into`, the llamacpp backend's n_threads set to
+    `threads`; the weights are links to the prepared ones."""
+    for name in ("smollm2", "smollm2-draft"):
+        source, target = ROOT / "models" / name, into / name
+        target.mkdir(parents=True)
+        config = (source / "model.toml").read_text()
+        if name == "smollm2":
+            config, count = re.subn(r"(?m)^n_threads = \d+", f"n_threads = {threads}", config)
+            if count != 1:
+                raise RuntimeError("models/smollm2/model.toml has no single `n_threads = N` line to change")
+        (target / "model.toml").write_text(config)
+        (target / "model.gguf").symlink_to((source / "model.gguf").resolve())
+    return into
+
+
+async def race(rounds: int, protocol: str, threads: int = THREADS) -> dict:
     runs = []
-    for r in range(rounds):
-        node, peer = Modeld("--no-preload"), LlamaServer()
-        try:
-            node.load()
-            got = {}
-            # the ceiling is measured in every round too: a figure taken once,
-            # minutes away from the race, compares two different machines
-            settled = {}
-            for side in round_order(SIDES, r):
-                # llama.cpp's threads poll for work a while after their last step, on both sides
-                settled[side] = round(settle([node.daemon.proc.pid, peer.proc.pid]), 2)
-                if side == "modeld" and protocol == "grpc":
-                    got[side] = await run_modeld(node)
-                elif side == "modeld":
-                    got[side] = run_blocking(lambda p, n: openai_stream(node.daemon.http_url, p, n),
-                                             node.daemon.proc.pid)
-                elif side == "llama-server":
-                    got[side] = run_blocking(peer.stream if protocol == "grpc" else
-                                             lambda p, n: openai_stream(peer.url, p, n), peer.proc.pid)
-                else:
-                    got[side] = batched_bench()
-                    got["ceiling_grpc"] = grpc_ceiling(got[side][1]["decode_tok_s"])
-                    got["ceiling_grpc8"] = grpc_ceiling(got[side][8]["decode_tok_s"], 8)
-        finally:
-            node.stop()
-            peer.stop()
-        got["first"] = round_order(SIDES, r)[0]
-        got["settled_s"] = settled
-        runs.append(got)
-        m, p = got["modeld"], got["llama-server"]
-        print(f"round {r} ({got['first']} first): 8 streams fresh {m['fresh']['tok_s']:.1f} vs {p['fresh']['tok_s']:.1f} "
-              f"tok/s, warm {m['warm']['tok_s']:.1f} vs {p['warm']['tok_s']:.1f}; 1 stream {m['single']['tok_s']:.1f} "
-              f"vs {p['single']['tok_s']:.1f}; ttft@8 {m['fresh']['median_ttft_s']:.2f} vs {p['fresh']['median_ttft_s']:.2f} s; "
-              f"batched-bench 8 seq {got['ceiling'][8]['decode_tok_s']:.1f}, 1 seq {got['ceiling'][1]['decode_tok_s']:.1f}, "
-              f"1 seq beside a gRPC stream {got['ceiling_grpc']['decode_tok_s']:.1f}, "
-              f"8 seq beside 8 {got['ceiling_grpc8']['decode_tok_s']:.1f}",
-              flush=True)
+    repository = ROOT / "models"
+    scratch = None
+    if threads != THREADS:
+        scratch = Path(tempfile.mkdtemp(prefix="modeld-threads-"))
+        repository = repository_with_threads(threads, scratch / "models")
+    try:
+        for r in range(rounds):
+            runs.append(await race_round(r, protocol, threads, repository))
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     return {"protocol": protocol, "rounds": runs}
+
+
+async def race_round(r: int, protocol: str, threads: int, repository: Path) -> dict:
+    node, peer = Modeld("--no-preload", repository=repository), LlamaServer(threads)
+    try:
+        node.load()
+        got = {}
+        # the ceiling is measured in every round too: a figure taken once,
+        # minutes away from the race, compares two different machines
+        settled = {}
+        for side in round_order(SIDES, r):
+            # llama.cpp's threads poll for work a while after their last step, on both sides
+            settled[side] = round(settle([node.daemon.proc.pid, peer.proc.pid]), 2)
+            if side == "modeld" and protocol == "grpc":
+                got[side] = await run_modeld(node)
+            elif side == "modeld":
+                got[side] = run_blocking(lambda p, n: openai_stream(node.daemon.http_url, p, n),
+                                         node.daemon.proc.pid)
+            elif side == "llama-server":
+                got[side] = run_blocking(peer.stream if protocol == "grpc" else
+                                         lambda p, n: openai_stream(peer.url, p, n), peer.proc.pid)
+            else:
+                got[side] = batched_bench(threads=threads)
+                got["ceiling_grpc"] = grpc_ceiling(got[side][1]["decode_tok_s"], threads=threads)
+                got["ceiling_grpc8"] = grpc_ceiling(got[side][8]["decode_tok_s"], 8, threads)
+    finally:
+        node.stop()
+        peer.stop()
+    got["first"] = round_order(SIDES, r)[0]
+    got["settled_s"] = settled
+    m, p = got["modeld"], got["llama-server"]
+    print(f"round {r} ({got['first']} first): 8 streams fresh {m['fresh']['tok_s']:.1f} vs {p['fresh']['tok_s']:.1f} "
+          f"tok/s, warm {m['warm']['tok_s']:.1f} vs {p['warm']['tok_s']:.1f}; 1 stream {m['single']['tok_s']:.1f} "
+          f"vs {p['single']['tok_s']:.1f}; ttft@8 {m['fresh']['median_ttft_s']:.2f} vs {p['fresh']['median_ttft_s']:.2f} s; "
+          f"batched-bench 8 seq {got['ceiling'][8]['decode_tok_s']:.1f}, 1 seq {got['ceiling'][1]['decode_tok_s']:.1f}, "
+          f"1 seq beside a gRPC stream {got['ceiling_grpc']['decode_tok_s']:.1f}, "
+          f"8 seq beside 8 {got['ceiling_grpc8']['decode_tok_s']:.1f}",
+          flush=True)
+    return got
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -369,16 +406,18 @@ def main() -> None:
     parser.add_argument("--protocol", choices=["grpc", "http"], default="grpc",
                         help="grpc: modeld's Generate against llama-server's /completion (each its native "
                              "stream); http: both servers' OpenAI /v1/completions, streamed by the same client")
+    parser.add_argument("--threads", type=int, default=THREADS,
+                        help="compute threads of both servers and of batched-bench (1: a core to spare beside them)")
     parser.add_argument("--output", default=str(RESULTS / "llama_server.json"),
                         help="the record; its chart goes beside it as .png")
     args = parser.parse_args()
     if not (PEER_BIN / "llama-server").exists():
         sys.exit("llama-server is not built: run `bash bench/peers/llama_server.sh` (or `make bench`)")
     before = machine()
-    race_record = asyncio.run(race(args.rounds, args.protocol))
+    race_record = asyncio.run(race(args.rounds, args.protocol, args.threads))
     summary = summarise(race_record["rounds"])
     record = {"command": "python bench/bench_llama_server.py " + " ".join(sys.argv[1:]), "machine": before,
-              "load_average_after": list(os.getloadavg()), "new_tokens": NEW_TOKENS, "threads": THREADS,
+              "load_average_after": list(os.getloadavg()), "new_tokens": NEW_TOKENS, "threads": args.threads,
               "race": race_record, "summary": summary}
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

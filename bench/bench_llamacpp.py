@@ -110,10 +110,10 @@ class Peer:
 # -- modeld over gRPC ----------------------------------------------------------------
 
 class Modeld:
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, repository: Path = ROOT / "models") -> None:
         from daemon import start_daemon
 
-        self.daemon = start_daemon("--metrics-port", "-1", *args, repository=ROOT / "models")
+        self.daemon = start_daemon("--metrics-port", "-1", *args, repository=repository)
 
     def load(self, model: str = "smollm2") -> None:
         import tritonclient.grpc as tc

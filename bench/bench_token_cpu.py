@@ -29,6 +29,15 @@ Three parts (all by default; `--only unit`, `--only daemon` or `--only sampling`
           of both processes, by function, shows where the Python time goes.
           --before TREE races an earlier checkout of modeld (its packages
           on PYTHONPATH, its models/ settings) in the same rounds.
+          Each round also takes the floor of one stream where
+          llama-batched-bench is built (`make llama-peer`): a bare HTTP
+          token stream (grpc_load.py --protocol http: a Python server that
+          only writes one SSE event a token, a Python client that only
+          reads them) at the rate modeld's one stream ran, beside
+          batched-bench's one-sequence decode, so its caches are as cold as
+          the daemon's. Its two processes' CPU per token is what any server
+          pays that moves each token between two Python processes, as
+          modeld's worker and daemon do, before it does any work.
 
   sampling  one sampled row of SmolLM2's real logits (8 rows a decode, at
           OpenAI's default temperature 1 over the whole vocabulary and at
@@ -553,6 +562,24 @@ def summarise_profile(node: Daemon, stacks: dict[int, list[tuple[list[str], int]
     return out
 
 
+def stream_floor(rate: float, settle_pids: list[int]) -> dict | None:
+    """A bare HTTP token stream at `rate` beside batched-bench's one-sequence
+    decode (three runs, medians), and the decode right before without it;
+    None where batched-bench is not built."""
+    from bench_llama_server import PEER_BIN, batched_bench
+    from grpc_load import GrpcStreamLoad
+
+    if not (PEER_BIN / "llama-batched-bench").exists():
+        return None
+    settle(settle_pids)
+    plain = batched_bench("1,1,1")[1]["decode_tok_s"]
+    with GrpcStreamLoad(rate, streams=1, protocol="http") as load:
+        loaded = batched_bench("1,1,1")[1]["decode_tok_s"]
+    cost = load.figures
+    return {"decode_tok_s": loaded, "plain_decode_tok_s": plain, "load": cost,
+            "python_ms_per_token": cost["server_cpu_ms_per_message"] + cost["client_cpu_ms_per_message"]}
+
+
 def daemon_bench(stream_counts: list[int], tokens: int, rounds: int, profile: bool,
                  before: Path | None = None) -> dict:
     """Each round measures every stream count on every side (this tree, and
@@ -562,7 +589,7 @@ def daemon_bench(stream_counts: list[int], tokens: int, rounds: int, profile: bo
     try:
         for node in nodes:
             asyncio.run(streams(node.daemon.http_url, 2, 8))  # warm up: first prompt, first compile
-        phases = []
+        phases, floors = [], []
         for r in range(rounds):
             for n in (stream_counts if r % 2 == 0 else list(reversed(stream_counts))):
                 for node in (nodes if (r + n) % 2 == 0 else list(reversed(nodes))):
@@ -571,6 +598,15 @@ def daemon_bench(stream_counts: list[int], tokens: int, rounds: int, profile: bo
                     phases.append(phase)
                     print(f"round {r}, {node.label}, {n} streams: {phase['tok_s']:.1f} tok/s, CPU ms/token "
                           + ", ".join(f"{g} {v:.3f}" for g, v in phase["cpu_ms_per_token"].items()), flush=True)
+            ours = [p for p in phases if p["round"] == r and p["streams"] == 1 and p["side"] == "after"]
+            if ours:
+                floor = stream_floor(ours[0]["tok_s"], [node.pid for node in nodes])
+                if floor is not None:
+                    floor["round"] = r
+                    floors.append(floor)
+                    print(f"round {r}, floor of one stream: bare HTTP stream {floor['python_ms_per_token']:.3f} "
+                          f"CPU ms/token (server + client), the decode beside it {floor['decode_tok_s']:.1f} "
+                          f"tok/s ({floor['plain_decode_tok_s']:.1f} alone)", flush=True)
         profiles: dict = {node.label: {} for node in nodes}
         if profile:
             for n in stream_counts:
@@ -586,12 +622,29 @@ def daemon_bench(stream_counts: list[int], tokens: int, rounds: int, profile: bo
     summary = {node.label: _summary([p for p in phases if p["side"] == node.label], profiles[node.label],
                                     stream_counts) for node in nodes}
     out = {"phases": phases, "profiles": profiles, "summary": summary["after"]}
+    if floors:
+        out["floor"] = {"rounds": floors, **floor_summary(floors, summary, before is not None)}
     if before is not None:
         out["before"] = summary["before"]
         out["after_over_before"] = {
             n: {key: _ratio(summary["after"][n].get(key), summary["before"][n].get(key))
                 for key in ("python_ms_per_token", "python_ms_per_token_without_step_thread")}
             for n in stream_counts}
+    return out
+
+
+def floor_summary(floors: list[dict], summary: dict, with_before: bool) -> dict:
+    """The floor's medians beside modeld's one stream: how far above the
+    floor modeld's Python is, and (with --before) the most the after/before
+    ratio could fall to were modeld's own work free."""
+    floor = statistics.median(f["python_ms_per_token"] for f in floors)
+    out = {"python_ms_per_token": floor,
+           "decode_beside_stream_over_alone": statistics.median(f["decode_tok_s"] / f["plain_decode_tok_s"]
+                                                                for f in floors)}
+    ours = summary["after"].get(1, {}).get("python_ms_per_token")
+    out["after_over_floor"] = _ratio(ours, floor)
+    if with_before:
+        out["floor_over_before"] = _ratio(floor, summary["before"].get(1, {}).get("python_ms_per_token"))
     return out
 
 
@@ -662,6 +715,11 @@ def main() -> None:
                       + ", ".join(f"{g} {v:.3f}" for g, v in row["cpu_ms_per_token"].items()), flush=True)
         for n, ratio in record["daemon"].get("after_over_before", {}).items():
             print(f"{n} streams: Python CPU per token after/before {ratio['python_ms_per_token']}", flush=True)
+        floor = record["daemon"].get("floor")
+        if floor is not None:
+            print(f"1 stream: the bare two-process stream's {floor['python_ms_per_token']:.3f} CPU ms/token; modeld "
+                  f"{floor['after_over_floor']} of it" + (f"; it is {floor['floor_over_before']} of before's"
+                                                          if "floor_over_before" in floor else ""), flush=True)
     record["load_average_after"] = list(os.getloadavg())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2, default=str))

@@ -115,3 +115,28 @@ def test_openai_stream_refuses_a_stream_shorter_than_asked():
     lines = [_chunk("Hel"), _chunk("", {"completion_tokens": 1}), b"data: [DONE]"]
     with _Sse(lines) as server, pytest.raises(RuntimeError, match="1 tokens streamed, 2 asked for"):
         bench.openai_stream(server.url, "Hi", 2)
+
+
+def test_threads_repository_changes_only_n_threads_and_links_the_prepared_weights(tmp_path, monkeypatch):
+    models = tmp_path / "root/models"
+    for name in ("smollm2", "smollm2-draft"):
+        (models / name).mkdir(parents=True)
+        (models / name / "model.gguf").write_bytes(name.encode())
+    (models / "smollm2/model.toml").write_text('format = "gguf"\n[llamacpp]\nn_slots = 8\nn_threads = 2\n')
+    (models / "smollm2-draft/model.toml").write_text('format = "gguf"\n[llamacpp]\nn_threads = 2\n')
+    monkeypatch.setattr(bench, "ROOT", tmp_path / "root")
+    made = bench.repository_with_threads(1, tmp_path / "scratch")
+    assert (made / "smollm2/model.toml").read_text() == 'format = "gguf"\n[llamacpp]\nn_slots = 8\nn_threads = 1\n'
+    # the draft is the peer of nothing here: its config stays as shipped
+    assert (made / "smollm2-draft/model.toml").read_text().endswith("n_threads = 2\n")
+    assert (made / "smollm2/model.gguf").is_symlink()
+    assert (made / "smollm2/model.gguf").read_bytes() == b"smollm2"
+
+
+def test_threads_repository_refuses_a_config_without_the_line(tmp_path, monkeypatch):
+    for name in ("smollm2", "smollm2-draft"):
+        (tmp_path / "models" / name).mkdir(parents=True)
+        (tmp_path / "models" / name / "model.toml").write_text("[llamacpp]\n")
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    with pytest.raises(RuntimeError, match="n_threads"):
+        bench.repository_with_threads(1, tmp_path / "scratch")
