@@ -21,11 +21,15 @@ Three parts (all by default; `--only unit`, `--only daemon` or `--only sampling`
           `py-spy dump`), native helper threads (gRPC's), and the worker's
           compute threads (llama.cpp's OpenMP team, excluded from the
           Python figure). The worker's step thread is also OpenMP's first
-          compute thread, so its CPU is split by `perf record` on its task
-          clock in a second run of the same phase: the share of its on-CPU
-          samples with llama.cpp's libraries in the stack is compute (its
-          sampler chain included), the rest Python (py-spy's busy share
-          where perf is missing). A py-spy profile of every Python thread
+          compute thread, so its CPU is split by a clock around its calls
+          into llama.cpp (bench/compute_clock: the thread's own CPU time
+          inside llama_decode and llama_sampler_sample, summed in the
+          worker, read before and after the phase): inside is compute, the
+          rest of the thread's CPU Python, in the same phase. The older
+          split is kept beside it (`*_perf` in the record): `perf record`
+          on the step thread's task clock in a second run of the phase, its
+          on-CPU samples with llama.cpp's libraries in the stack counted
+          as compute (py-spy's busy share where perf is missing). A py-spy profile of every Python thread
           of both processes, by function, shows where the Python time goes.
           --before TREE races an earlier checkout of modeld (its packages
           on PYTHONPATH, its models/ settings) in the same rounds.
@@ -77,6 +81,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from racing import machine, settle  # noqa: E402
 
 RESULTS = ROOT / "bench/results"
+COMPUTE_CLOCK = ROOT / "bench/compute_clock"  # its sitecustomize times llama.cpp's calls in the worker
 PY_SPY = Path(sys.executable).parent / "py-spy"
 SMOLLM2_VOCAB = 49152
 PROMPTS = [
@@ -284,11 +289,13 @@ class Daemon:
 
         self.label = "after" if tree is None else "before"
         self._tmp = None
-        env, repository = None, ROOT / "models"
+        self._clock = tempfile.TemporaryDirectory(prefix="modeld-clock-")
+        path, repository = [str(COMPUTE_CLOCK)], ROOT / "models"
         if tree is not None:
             self._tmp = tempfile.TemporaryDirectory(prefix="modeld-before-")
-            env = {"PYTHONPATH": _namespace(tree.resolve(), Path(self._tmp.name))}
+            path.append(_namespace(tree.resolve(), Path(self._tmp.name)))
             repository = _linked_models(tree.resolve(), Path(self._tmp.name))
+        env = {"PYTHONPATH": os.pathsep.join(path), "MODELD_BENCH_COMPUTE_CLOCK": self._clock.name}
         self.daemon = start_daemon("--metrics-port", "-1", "--no-preload", repository=repository, env=env)
         import tritonclient.grpc as tc
 
@@ -301,8 +308,18 @@ class Daemon:
             raise RuntimeError(f"expected one worker process for smollm2, found {len(workers)}")
         self.worker = workers[0]
 
+    def compute_ns(self) -> int | None:
+        """CPU nanoseconds the worker's threads have spent inside llama.cpp's
+        decode and sampler calls (bench/compute_clock); None before its
+        first call."""
+        try:
+            return int.from_bytes(Path(self._clock.name, str(self.worker)).read_bytes()[:8], "little", signed=True)
+        except FileNotFoundError:
+            return None
+
     def stop(self) -> None:
         self.daemon.stop()
+        self._clock.cleanup()
         if self._tmp is not None:
             self._tmp.cleanup()
 
@@ -381,9 +398,9 @@ def classify(node: Daemon, names: dict[int, dict[int, str]], key: tuple[int, int
 def measure_phase(node: Daemon, n: int, tokens: int) -> dict:
     pids = [node.pid, node.worker]
     settle(pids)
-    before, ticks_before = thread_cpu(pids), thread_ticks(pids)
+    before, ticks_before, compute_before = thread_cpu(pids), thread_ticks(pids), node.compute_ns()
     count, wall = asyncio.run(streams(node.daemon.http_url, n, tokens))
-    after, ticks_after = thread_cpu(pids), thread_ticks(pids)
+    after, ticks_after, compute_after = thread_cpu(pids), thread_ticks(pids), node.compute_ns()
     names = {pid: python_threads(pid) for pid in pids}
     groups: dict[str, float] = collections.defaultdict(float)
     threads: dict[str, float] = collections.defaultdict(float)
@@ -396,8 +413,12 @@ def measure_phase(node: Daemon, n: int, tokens: int) -> dict:
         for i, (a, b) in enumerate(zip(ticks_before.get(key, (0, 0)), ticks_after.get(key, (0, 0)))):
             ticks[group][i] += b - a
     per_token = {g: v * 1e3 / count for g, v in groups.items()}
-    return {"streams": n, "tokens": count, "wall_s": wall, "tok_s": count / wall,
-            "cpu_ms_per_token": dict(sorted(per_token.items())),
+    phase = {"streams": n, "tokens": count, "wall_s": wall, "tok_s": count / wall,
+             "cpu_ms_per_token": dict(sorted(per_token.items()))}
+    if compute_before is not None and compute_after is not None:
+        # the step thread's CPU inside llama.cpp's calls: compute, left out of the Python figure
+        phase["step_compute_ms_per_token"] = (compute_after - compute_before) / 1e6 / count
+    return {**phase,
             # the kernel's share of each group (system over user + system ticks): socket writes, wake-ups
             "system_share": {g: round(sys_ / (user + sys_), 3) for g, (user, sys_) in sorted(ticks.items())
                              if user + sys_},
@@ -596,8 +617,11 @@ def daemon_bench(stream_counts: list[int], tokens: int, rounds: int, profile: bo
                     phase = measure_phase(node, n, tokens)
                     phase["round"], phase["side"] = r, node.label
                     phases.append(phase)
+                    clocked = (f", of which in llama.cpp {phase['step_compute_ms_per_token']:.3f}"
+                               if "step_compute_ms_per_token" in phase else "")
                     print(f"round {r}, {node.label}, {n} streams: {phase['tok_s']:.1f} tok/s, CPU ms/token "
-                          + ", ".join(f"{g} {v:.3f}" for g, v in phase["cpu_ms_per_token"].items()), flush=True)
+                          + ", ".join(f"{g} {v:.3f}" for g, v in phase["cpu_ms_per_token"].items()) + clocked,
+                          flush=True)
             ours = [p for p in phases if p["round"] == r and p["streams"] == 1 and p["side"] == "after"]
             if ours:
                 floor = stream_floor(ours[0]["tok_s"], [node.pid for node in nodes])
@@ -628,7 +652,8 @@ def daemon_bench(stream_counts: list[int], tokens: int, rounds: int, profile: bo
         out["before"] = summary["before"]
         out["after_over_before"] = {
             n: {key: _ratio(summary["after"][n].get(key), summary["before"][n].get(key))
-                for key in ("python_ms_per_token", "python_ms_per_token_without_step_thread")}
+                for key in ("python_ms_per_token", "python_ms_per_token_without_step_thread",
+                            "python_ms_per_token_perf")}
             for n in stream_counts}
     return out
 
@@ -670,10 +695,26 @@ def _summary(phases: list[dict], profiles: dict, stream_counts: list[int]) -> di
         row = {"tok_s": statistics.median(p["tok_s"] for p in got), "cpu_ms_per_token": med, "system_share": shares,
                "python_ms_per_token_without_step_thread": python}
         if share is not None:
-            row["step_thread_python_ms_per_token"] = step * (1 - share)
-            row["python_ms_per_token"] = python + step * (1 - share)
+            row["step_thread_python_ms_per_token_perf"] = step * (1 - share)
+            row["python_ms_per_token_perf"] = python + step * (1 - share)
+        if got and all("step_compute_ms_per_token" in p for p in got):
+            # per phase, then the median: the clock and the thread times come from the same phase
+            row["step_thread_python_ms_per_token"] = statistics.median(
+                p["cpu_ms_per_token"].get("worker-step", 0.0) - p["step_compute_ms_per_token"] for p in got)
+            row["python_ms_per_token"] = statistics.median(_python_ms(p) for p in got)
+        elif share is not None:
+            row["step_thread_python_ms_per_token"] = row["step_thread_python_ms_per_token_perf"]
+            row["python_ms_per_token"] = row["python_ms_per_token_perf"]
         summary[n] = row
     return summary
+
+
+def _python_ms(phase: dict) -> float:
+    """One phase's Python CPU ms per token: the daemon's and the worker's
+    Python threads, and the step thread less its time inside llama.cpp."""
+    cpu = phase["cpu_ms_per_token"]
+    return (cpu.get("daemon-python", 0.0) + cpu.get("worker-python", 0.0)
+            + cpu.get("worker-step", 0.0) - phase["step_compute_ms_per_token"])
 
 
 def main() -> None:
