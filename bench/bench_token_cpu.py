@@ -29,8 +29,9 @@ Three parts (all by default; `--only unit`, `--only daemon` or `--only sampling`
           split is kept beside it (`*_perf` in the record): `perf record`
           on the step thread's task clock in a second run of the phase, its
           on-CPU samples with llama.cpp's libraries in the stack counted
-          as compute (py-spy's busy share where perf is missing). A py-spy profile of every Python thread
-          of both processes, by function, shows where the Python time goes.
+          as compute (py-spy's busy share where perf is missing). A py-spy
+          profile of every Python thread of both processes, by function,
+          shows where the Python time goes.
           --before TREE races an earlier checkout of modeld (its packages
           on PYTHONPATH, its models/ settings) in the same rounds.
           Each round also takes the floor of one stream where
