@@ -52,7 +52,7 @@ def triton_to_native(raw: dict[str, Any], known_keys: set[str]) -> dict[str, Any
 
 def _as_int(value: Any) -> Any:
     # Protobuf-JSON renders 64-bit integers as strings.
-    if isinstance(value, str) and value.lstrip("-").isdigit():
+    if isinstance(value, str) and value.isascii() and value.lstrip("-").isdigit():
         return int(value)
     return value
 

@@ -95,7 +95,7 @@ def _as_int(value: Any) -> int | None:
         return None
     if isinstance(value, int):
         return value
-    if isinstance(value, str) and value.isdigit() and len(value) <= 19:  # protobuf JSON writes int64 as text
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 19:  # protobuf JSON writes int64 as text
         return int(value)
     return None
 

@@ -38,7 +38,7 @@ def version_key(name: str, version: int) -> str:
 def split_key(key: str) -> tuple[str, int | None]:
     """("m", 2) for "m:2"; ("m", None) for a plain name."""
     name, sep, version = key.rpartition(SEPARATOR)
-    if sep and version.isdigit():
+    if sep and version.isascii() and version.isdigit():
         return name, int(version)
     return key, None
 
@@ -55,7 +55,8 @@ def version_of(key: str) -> str:
 def parse_version(text: str) -> int | None:
     """A request's model_version as a number; None for anything that is not
     one (a version is a positive decimal number without leading zeros)."""
-    if not text.isdigit() or len(text) > 19 or text.startswith("0"):
+    # isascii: str.isdigit also takes "¹" and other Unicode digits int() refuses
+    if not (text.isascii() and text.isdigit()) or len(text) > 19 or text.startswith("0"):
         return None
     return int(text)
 
@@ -89,8 +90,8 @@ def version_folders(source: ModelSource) -> tuple[str, list[int]] | None:
         entries = list(os.scandir(source.model_dir))
     except OSError:
         return None
-    found = sorted(int(e.name) for e in entries
-                   if parse_version(e.name) is not None and e.is_dir() and (source.model_dir / e.name / base).exists())
+    found = sorted(version for e in entries if (version := parse_version(e.name)) is not None
+                   and e.is_dir() and (source.model_dir / e.name / base).exists())
     return (base, found) if found else None
 
 

@@ -263,7 +263,7 @@ def _check(s: GatewaySettings) -> None:
                                  "--nodes-file FILE, one of the three")
     for address in (*s.nodes, *((s.dns,) if s.dns else ())):
         host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not sep or not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
             raise GatewayConfigError(f"{address!r} is not HOST:PORT")
     if s.replicas < 1:
         raise GatewayConfigError(f"--replicas must be at least 1, not {s.replicas}")
@@ -293,7 +293,7 @@ def _check(s: GatewaySettings) -> None:
 
 def _host_port(address: str) -> bool:
     host, sep, port = address.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+    return bool(sep and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536)
 
 
 def _check_http(s: GatewaySettings) -> None:

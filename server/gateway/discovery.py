@@ -71,7 +71,7 @@ def _read_small(path: Path) -> str:
 
 def is_address(address: str) -> bool:
     host, sep, port = address.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+    return bool(sep and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536)
 
 
 async def watch_dns(name_port: str, interval_s: float, apply: Callable[[set[str]], None]) -> None:

@@ -108,7 +108,7 @@ def _valid_target(target: object) -> bool:
     if VERSION_SEPARATOR not in target:
         return True
     # a version as Triton numbers its folders: a positive decimal without leading zeros
-    return version.isdigit() and not version.startswith("0") and len(version) <= 19
+    return version.isascii() and version.isdigit() and not version.startswith("0") and len(version) <= 19
 
 
 def parse_splits(raw: Any) -> TrafficSplit:

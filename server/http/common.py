@@ -90,9 +90,10 @@ async def read_body(request: Request) -> bytes:
     limit = getattr(request.app.state, "max_message_bytes", None)
     plane, model = getattr(request.app.state, "plane", None), _infer_model(request)
     declared = request.headers.get("content-length", "")
-    if limit and declared.isdigit() and int(declared) > limit:
+    digits = declared.isascii() and declared.isdigit()  # int() refuses other Unicode digits
+    if limit and digits and int(declared) > limit:
         raise _too_large(declared, limit)  # before reading a byte of it
-    if declared.isdigit():
+    if digits:
         check_body_size(plane, model, int(declared))
     chunks, size = [], 0
     async for chunk in request.stream():

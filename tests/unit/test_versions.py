@@ -46,6 +46,16 @@ def test_keys_and_versions():
                                                                                        None]
 
 
+def test_unicode_digits_are_not_versions(tmp_path):
+    # str.isdigit takes superscripts and other scripts' digits; int() refuses them
+    assert [parse_version(v) for v in ("\u00b9", "1\u00b2", "\u0663")] == [None, None, None]
+    assert split_key("m:\u00b9") == ("m:\u00b9", None)
+    _entry(tmp_path, "m", [1, 2])
+    (tmp_path / "m" / "\u00b9").mkdir()
+    (tmp_path / "m" / "\u00b9" / "model.onnx").write_bytes(b"onnx")
+    assert served_versions(ModelRepository(tmp_path, tmp_path / "inline").resolve("m")) == (2,)
+
+
 def _entry(root: Path, name: str, versions: list[int], toml: str = 'format = "onnx"\n', at_root: bool = False) -> None:
     folder = root / name
     folder.mkdir(parents=True)

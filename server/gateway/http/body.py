@@ -49,7 +49,7 @@ class Fields:
 async def read_body(receive, declared: str | None, limit: int) -> bytes:
     """The whole body, refused (BodyTooLarge) as soon as it passes `limit`:
     by its Content-Length before a byte is read, else while it streams in."""
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(int(declared))
     chunks, size = [], 0
     while True:
