@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from modeld.backends.digits import ascii_digits
 from modeld.backends.errors import InvalidArgument
 
 # Triton `backend` / `platform` values that mean "an ONNX graph".
@@ -52,7 +53,7 @@ def triton_to_native(raw: dict[str, Any], known_keys: set[str]) -> dict[str, Any
 
 def _as_int(value: Any) -> Any:
     # Protobuf-JSON renders 64-bit integers as strings.
-    if isinstance(value, str) and value.isascii() and value.lstrip("-").isdigit():
+    if isinstance(value, str) and ascii_digits(value.lstrip("-")):
         return int(value)
     return value
 

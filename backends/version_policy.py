@@ -18,6 +18,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from .digits import ascii_digits
 from .errors import InvalidArgument
 
 # one policy names at most this many versions; a folder may hold more, the
@@ -95,7 +96,7 @@ def _as_int(value: Any) -> int | None:
         return None
     if isinstance(value, int):
         return value
-    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 19:  # protobuf JSON writes int64 as text
+    if isinstance(value, str) and ascii_digits(value) and len(value) <= 19:  # protobuf JSON writes int64 as text
         return int(value)
     return None
 

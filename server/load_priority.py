@@ -24,6 +24,8 @@ from typing import Callable, TypeVar
 
 import structlog
 
+from modeld.backends.digits import ascii_digits
+
 log = structlog.get_logger("modeld.load_priority")
 
 T = TypeVar("T")
@@ -39,7 +41,7 @@ _lock = threading.Lock()  # one lowered load at a time sees a clean "lowered by 
 def niceness() -> int:
     """The daemon's setting, passed to its worker processes in the environment."""
     raw = os.environ.get("MODELD_LOAD_NICENESS", "")
-    return int(raw) if raw.isascii() and raw.lstrip("-").isdigit() else DEFAULT_NICENESS
+    return int(raw) if ascii_digits(raw.lstrip("-")) else DEFAULT_NICENESS
 
 
 def run_lowered(fn: Callable[..., T], *args, nice: int | None = None) -> T:

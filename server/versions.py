@@ -19,6 +19,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Callable
 
+from modeld.backends.digits import ascii_digits
 from modeld.backends.errors import ModeldError, NotFound
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ def version_key(name: str, version: int) -> str:
 def split_key(key: str) -> tuple[str, int | None]:
     """("m", 2) for "m:2"; ("m", None) for a plain name."""
     name, sep, version = key.rpartition(SEPARATOR)
-    if sep and version.isascii() and version.isdigit():
+    if sep and ascii_digits(version):
         return name, int(version)
     return key, None
 
@@ -55,8 +56,7 @@ def version_of(key: str) -> str:
 def parse_version(text: str) -> int | None:
     """A request's model_version as a number; None for anything that is not
     one (a version is a positive decimal number without leading zeros)."""
-    # isascii: str.isdigit also takes "¹" and other Unicode digits int() refuses
-    if not (text.isascii() and text.isdigit()) or len(text) > 19 or text.startswith("0"):
+    if not ascii_digits(text) or len(text) > 19 or text.startswith("0"):
         return None
     return int(text)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from modeld.server.gateway.breaker import BreakerConfig
+from modeld.server.gateway.discovery import is_address
 from modeld.server.gateway.score import ScoreWeights
 from modeld.server.gateway.split import SplitConfigError, TrafficSplit, parse_splits
 
@@ -262,8 +263,7 @@ def _check(s: GatewaySettings) -> None:
         raise GatewayConfigError("name the daemons with --node HOST:PORT (repeatable), --dns NAME:PORT or "
                                  "--nodes-file FILE, one of the three")
     for address in (*s.nodes, *((s.dns,) if s.dns else ())):
-        host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        if not is_address(address):
             raise GatewayConfigError(f"{address!r} is not HOST:PORT")
     if s.replicas < 1:
         raise GatewayConfigError(f"--replicas must be at least 1, not {s.replicas}")
@@ -291,11 +291,6 @@ def _check(s: GatewaySettings) -> None:
     _check_client_security(s)
 
 
-def _host_port(address: str) -> bool:
-    host, sep, port = address.rpartition(":")
-    return bool(sep and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536)
-
-
 def _check_http(s: GatewaySettings) -> None:
     if not -1 <= s.http_port < 65536:
         raise GatewayConfigError(f"--http-port must be a port, 0 for a free one or -1 for no HTTP, not {s.http_port}")
@@ -304,7 +299,7 @@ def _check_http(s: GatewaySettings) -> None:
                                  f"not {s.node_http_port}")
     for entry in s.node_http:
         grpc_address, sep, http_address = entry.partition("=")
-        if not sep or not _host_port(grpc_address) or not _host_port(http_address):
+        if not sep or not is_address(grpc_address) or not is_address(http_address):
             raise GatewayConfigError(f"--node-http {entry!r} is not GRPC_HOST:PORT=HTTP_HOST:PORT (a node's gRPC "
                                      "address as --node names it, then where it serves HTTP)")
     if s.http_max_body_bytes < 1024:

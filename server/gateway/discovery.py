@@ -12,6 +12,8 @@ from pathlib import Path
 
 import structlog
 
+from modeld.backends.digits import ascii_digits
+
 log = structlog.get_logger("modeld.gateway")
 
 MAX_FILE_NODES = 4096
@@ -71,7 +73,7 @@ def _read_small(path: Path) -> str:
 
 def is_address(address: str) -> bool:
     host, sep, port = address.rpartition(":")
-    return bool(sep and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536)
+    return bool(sep and host and ascii_digits(port) and 0 < int(port) < 65536)
 
 
 async def watch_dns(name_port: str, interval_s: float, apply: Callable[[set[str]], None]) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 
 import xxhash
 
+from modeld.backends.digits import ascii_digits
 from modeld.backends.model_config import MODEL_NAME_RE
 from modeld.server.gateway import wire
 
@@ -108,7 +109,7 @@ def _valid_target(target: object) -> bool:
     if VERSION_SEPARATOR not in target:
         return True
     # a version as Triton numbers its folders: a positive decimal without leading zeros
-    return version.isascii() and version.isdigit() and not version.startswith("0") and len(version) <= 19
+    return ascii_digits(version) and not version.startswith("0") and len(version) <= 19
 
 
 def parse_splits(raw: Any) -> TrafficSplit:

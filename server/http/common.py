@@ -15,6 +15,7 @@ import zlib
 
 from starlette.requests import Request
 
+from modeld.backends.digits import ascii_digits
 from modeld.backends.errors import ErrorKind, InvalidArgument, ModeldError, ResourceExhausted
 
 # The gRPC status table in grpc-gateway's HTTP mapping, which REST clients
@@ -90,7 +91,7 @@ async def read_body(request: Request) -> bytes:
     limit = getattr(request.app.state, "max_message_bytes", None)
     plane, model = getattr(request.app.state, "plane", None), _infer_model(request)
     declared = request.headers.get("content-length", "")
-    digits = declared.isascii() and declared.isdigit()  # int() refuses other Unicode digits
+    digits = ascii_digits(declared)
     if limit and digits and int(declared) > limit:
         raise _too_large(declared, limit)  # before reading a byte of it
     if digits:

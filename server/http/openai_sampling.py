@@ -15,6 +15,7 @@ import json
 import math
 from dataclasses import dataclass
 
+from modeld.backends.digits import ascii_digits
 from modeld.backends.errors import InvalidArgument
 from modeld.backends.generation.params import (
     MAX_CHOICES, MAX_N, ChatMessage, Constraint, ConstraintKind, SamplingParams, SpeculativeMode,
@@ -262,7 +263,7 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
         raise FieldError("logit_bias", f"logit_bias must be an object of token id -> bias, got {json_type_name(bias)}")
     out = []
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+        if not (isinstance(key, str) and ascii_digits(key)):
             raise FieldError("logit_bias", f"logit_bias keys must be token ids written as decimal strings, got {key!r}"[:120])
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise FieldError("logit_bias", f"logit_bias[{key!r}] must be a number in [-100, 100], got "

@@ -25,6 +25,7 @@ SERVER_MAY_IMPORT = {
     "modeld.backends.registry",  # the one door to implementations, imported lazily by name
     "modeld.backends.dtypes",  # datatype tables the wire conversion shares with backends
     "modeld.backends.sizes",  # byte sizes in configs and the memory budget
+    "modeld.backends.digits",  # ascii_digits: whole numbers in text a caller or operator writes
     "modeld.backends.generation.params",  # request, event and usage types of generation
     "modeld.backends.generation.step_sink",  # STEP_SINK: how a worker takes a generation's events on its step thread
     "modeld.backends.load_policy",  # the settings' LoadPolicy the engine stamps into each ModelConfig

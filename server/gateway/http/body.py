@@ -16,6 +16,8 @@ import re
 import zlib
 from dataclasses import dataclass
 
+from modeld.backends.digits import ascii_digits
+
 
 class BodyError(ValueError):
     """The body cannot be routed (400): not a JSON object, or no usable model."""
@@ -49,7 +51,7 @@ class Fields:
 async def read_body(receive, declared: str | None, limit: int) -> bytes:
     """The whole body, refused (BodyTooLarge) as soon as it passes `limit`:
     by its Content-Length before a byte is read, else while it streams in."""
-    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
+    if declared is not None and ascii_digits(declared) and int(declared) > limit:
         raise BodyTooLarge(int(declared))
     chunks, size = [], 0
     while True:
