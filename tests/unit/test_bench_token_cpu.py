@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 bench = pytest.importorskip("bench_token_cpu")
 load = pytest.importorskip("grpc_load")
+from racing import process_cpu_seconds  # noqa: E402
 
 
 def _floor(server: float, client: float, loaded: float = 90.0, plain: float = 100.0) -> dict:
@@ -37,7 +38,11 @@ def test_floor_without_a_tree_before_or_a_profile():
 
 def test_bare_http_stream_counts_its_events_and_their_cpu():
     with load.GrpcStreamLoad(200.0, streams=2, protocol="http") as running:
-        time.sleep(0.5)
+        # until the server's CPU time has moved by a clock tick (10 ms), however busy the machine
+        server = running.sides[0]
+        start, deadline = process_cpu_seconds(server), time.monotonic() + 60
+        while process_cpu_seconds(server) <= start and time.monotonic() < deadline:
+            time.sleep(0.05)
     figures = running.figures
     assert figures["protocol"] == "http" and figures["streams"] == 2
     # the client counted every SSE event it read, at least each stream's first
