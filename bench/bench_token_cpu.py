@@ -34,15 +34,16 @@ Three parts (all by default; `--only unit`, `--only daemon` or `--only sampling`
           shows where the Python time goes.
           --before TREE races an earlier checkout of modeld (its packages
           on PYTHONPATH, its models/ settings) in the same rounds.
-          Each round also takes the floor of one stream where
-          llama-batched-bench is built (`make llama-peer`): a bare HTTP
-          token stream (grpc_load.py --protocol http: a Python server that
-          only writes one SSE event a token, a Python client that only
-          reads them) at the rate modeld's one stream ran, beside
-          batched-bench's one-sequence decode, so its caches are as cold as
-          the daemon's. Its two processes' CPU per token is what any server
-          pays that moves each token between two Python processes, as
-          modeld's worker and daemon do, before it does any work.
+          Each round also takes the floor of each stream count where
+          llama-batched-bench is built (`make llama-peer`): as many bare
+          HTTP token streams (grpc_load.py --protocol http: a Python server
+          that only writes one SSE event a token, a Python client that only
+          reads them) at the rate modeld's streams ran, beside
+          batched-bench's decode of as many sequences (8 at most), so their
+          caches are as cold as the daemon's. Its two processes' CPU per
+          token is what any server pays that moves each token between two
+          Python processes, as modeld's worker and daemon do, before it
+          does any work.
 
   sampling  one sampled row of SmolLM2's real logits (8 rows a decode, at
           OpenAI's default temperature 1 over the whole vocabulary and at
@@ -584,21 +585,29 @@ def summarise_profile(node: Daemon, stacks: dict[int, list[tuple[list[str], int]
     return out
 
 
-def stream_floor(rate: float, settle_pids: list[int]) -> dict | None:
-    """A bare HTTP token stream at `rate` beside batched-bench's one-sequence
-    decode (three runs, medians), and the decode right before without it;
-    None where batched-bench is not built."""
+# batched-bench's context (4,096 cells) holds 8 sequences of its 160 tokens, not 32
+FLOOR_MOST_SEQUENCES = 8
+
+
+def stream_floor(n: int, rate: float, settle_pids: list[int]) -> dict | None:
+    """n bare HTTP token streams at `rate` tokens a second in all beside
+    batched-bench's decode of as many sequences (at most
+    FLOOR_MOST_SEQUENCES; three runs, medians, for one), and the decode
+    right before without them; None where batched-bench is not built."""
     from bench_llama_server import PEER_BIN, batched_bench
     from grpc_load import GrpcStreamLoad
 
     if not (PEER_BIN / "llama-batched-bench").exists():
         return None
+    sequences = min(n, FLOOR_MOST_SEQUENCES)
+    runs = ",".join([str(sequences)] * (3 if sequences == 1 else 1))  # one sequence's decode is too short alone
     settle(settle_pids)
-    plain = batched_bench("1,1,1")[1]["decode_tok_s"]
-    with GrpcStreamLoad(rate, streams=1, protocol="http") as load:
-        loaded = batched_bench("1,1,1")[1]["decode_tok_s"]
+    plain = batched_bench(runs)[sequences]["decode_tok_s"]
+    with GrpcStreamLoad(rate, streams=n, protocol="http") as load:
+        loaded = batched_bench(runs)[sequences]["decode_tok_s"]
     cost = load.figures
-    return {"decode_tok_s": loaded, "plain_decode_tok_s": plain, "load": cost,
+    return {"streams": n, "decode_sequences": sequences, "decode_tok_s": loaded, "plain_decode_tok_s": plain,
+            "load": cost,
             "python_ms_per_token": cost["server_cpu_ms_per_message"] + cost["client_cpu_ms_per_message"]}
 
 
@@ -623,14 +632,14 @@ def daemon_bench(stream_counts: list[int], tokens: int, rounds: int, profile: bo
                     print(f"round {r}, {node.label}, {n} streams: {phase['tok_s']:.1f} tok/s, CPU ms/token "
                           + ", ".join(f"{g} {v:.3f}" for g, v in phase["cpu_ms_per_token"].items()) + clocked,
                           flush=True)
-            ours = [p for p in phases if p["round"] == r and p["streams"] == 1 and p["side"] == "after"]
-            if ours:
-                floor = stream_floor(ours[0]["tok_s"], [node.pid for node in nodes])
+            for n in stream_counts:
+                ours = [p for p in phases if p["round"] == r and p["streams"] == n and p["side"] == "after"]
+                floor = stream_floor(n, ours[0]["tok_s"], [node.pid for node in nodes]) if ours else None
                 if floor is not None:
                     floor["round"] = r
                     floors.append(floor)
-                    print(f"round {r}, floor of one stream: bare HTTP stream {floor['python_ms_per_token']:.3f} "
-                          f"CPU ms/token (server + client), the decode beside it {floor['decode_tok_s']:.1f} "
+                    print(f"round {r}, floor of {n} streams: bare HTTP streams {floor['python_ms_per_token']:.3f} "
+                          f"CPU ms/token (server + client), the decode beside them {floor['decode_tok_s']:.1f} "
                           f"tok/s ({floor['plain_decode_tok_s']:.1f} alone)", flush=True)
         profiles: dict = {node.label: {} for node in nodes}
         if profile:
@@ -648,7 +657,7 @@ def daemon_bench(stream_counts: list[int], tokens: int, rounds: int, profile: bo
                                     stream_counts) for node in nodes}
     out = {"phases": phases, "profiles": profiles, "summary": summary["after"]}
     if floors:
-        out["floor"] = {"rounds": floors, **floor_summary(floors, summary, before is not None)}
+        out["floor"] = {"rounds": floors, "by_streams": floor_summary(floors, summary, before is not None)}
     if before is not None:
         out["before"] = summary["before"]
         out["after_over_before"] = {
@@ -660,17 +669,20 @@ def daemon_bench(stream_counts: list[int], tokens: int, rounds: int, profile: bo
 
 
 def floor_summary(floors: list[dict], summary: dict, with_before: bool) -> dict:
-    """The floor's medians beside modeld's one stream: how far above the
-    floor modeld's Python is, and (with --before) the most the after/before
-    ratio could fall to were modeld's own work free."""
-    floor = statistics.median(f["python_ms_per_token"] for f in floors)
-    out = {"python_ms_per_token": floor,
-           "decode_beside_stream_over_alone": statistics.median(f["decode_tok_s"] / f["plain_decode_tok_s"]
-                                                                for f in floors)}
-    ours = summary["after"].get(1, {}).get("python_ms_per_token")
-    out["after_over_floor"] = _ratio(ours, floor)
-    if with_before:
-        out["floor_over_before"] = _ratio(floor, summary["before"].get(1, {}).get("python_ms_per_token"))
+    """The floor's medians by stream count beside modeld's: how far above
+    the floor modeld's Python is, and (with --before) the most the
+    after/before ratio could fall to were modeld's own work free."""
+    out = {}
+    for n in sorted({f["streams"] for f in floors}):
+        got = [f for f in floors if f["streams"] == n]
+        floor = statistics.median(f["python_ms_per_token"] for f in got)
+        row = {"python_ms_per_token": floor,
+               "decode_beside_stream_over_alone": statistics.median(f["decode_tok_s"] / f["plain_decode_tok_s"]
+                                                                    for f in got)}
+        row["after_over_floor"] = _ratio(summary["after"].get(n, {}).get("python_ms_per_token"), floor)
+        if with_before:
+            row["floor_over_before"] = _ratio(floor, summary["before"].get(n, {}).get("python_ms_per_token"))
+        out[n] = row
     return out
 
 
@@ -757,11 +769,10 @@ def main() -> None:
                       + ", ".join(f"{g} {v:.3f}" for g, v in row["cpu_ms_per_token"].items()), flush=True)
         for n, ratio in record["daemon"].get("after_over_before", {}).items():
             print(f"{n} streams: Python CPU per token after/before {ratio['python_ms_per_token']}", flush=True)
-        floor = record["daemon"].get("floor")
-        if floor is not None:
-            print(f"1 stream: the bare two-process stream's {floor['python_ms_per_token']:.3f} CPU ms/token; modeld "
-                  f"{floor['after_over_floor']} of it" + (f"; it is {floor['floor_over_before']} of before's"
-                                                          if "floor_over_before" in floor else ""), flush=True)
+        for n, floor in record["daemon"].get("floor", {}).get("by_streams", {}).items():
+            print(f"{n} streams: the bare two-process streams' {floor['python_ms_per_token']:.3f} CPU ms/token; "
+                  f"modeld {floor['after_over_floor']} of it" + (f"; it is {floor['floor_over_before']} of before's"
+                                                                 if "floor_over_before" in floor else ""), flush=True)
     record["load_average_after"] = list(os.getloadavg())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2, default=str))
