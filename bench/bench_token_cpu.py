@@ -35,10 +35,11 @@ Three parts (all by default; `--only unit`, `--only daemon` or `--only sampling`
           --before TREE races an earlier checkout of modeld (its packages
           on PYTHONPATH, its models/ settings) in the same rounds.
           Each round also takes the floor of each stream count where
-          llama-batched-bench is built (`make llama-peer`): as many bare
-          HTTP token streams (grpc_load.py --protocol http: a Python server
-          that only writes one SSE event a token, a Python client that only
-          reads them) at the rate modeld's streams ran, beside
+          llama-batched-bench is built (`make llama-peer`): bare HTTP token
+          streams (grpc_load.py --protocol http: a Python server that only
+          writes one SSE event a token, a Python client that only reads
+          them), as many as modeld decodes at once (smollm2's n_slots: 8 of
+          32, the others wait), at the rate modeld's streams ran, beside
           batched-bench's decode of as many sequences (8 at most), so their
           caches are as cold as the daemon's. Its two processes' CPU per
           token is what any server pays that moves each token between two
@@ -589,24 +590,35 @@ def summarise_profile(node: Daemon, stacks: dict[int, list[tuple[list[str], int]
 FLOOR_MOST_SEQUENCES = 8
 
 
+def running_at_once(n: int) -> int:
+    """How many of n streams models/smollm2 decodes at once (its n_slots;
+    the others wait their turn): the streams that carry tokens together."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "models" / "smollm2" / "model.toml").read_text())
+    return min(n, config["llamacpp"]["n_slots"])
+
+
 def stream_floor(n: int, rate: float, settle_pids: list[int]) -> dict | None:
-    """n bare HTTP token streams at `rate` tokens a second in all beside
-    batched-bench's decode of as many sequences (at most
-    FLOOR_MOST_SEQUENCES; three runs, medians, for one), and the decode
-    right before without them; None where batched-bench is not built."""
+    """Bare HTTP token streams at `rate` tokens a second in all, as many as
+    modeld runs at once of n (running_at_once), beside batched-bench's
+    decode of as many sequences (at most FLOOR_MOST_SEQUENCES; three runs,
+    medians, for one), and the decode right before without them; None
+    where batched-bench is not built."""
     from bench_llama_server import PEER_BIN, batched_bench
     from grpc_load import GrpcStreamLoad
 
     if not (PEER_BIN / "llama-batched-bench").exists():
         return None
-    sequences = min(n, FLOOR_MOST_SEQUENCES)
+    concurrent = running_at_once(n)
+    sequences = min(concurrent, FLOOR_MOST_SEQUENCES)
     runs = ",".join([str(sequences)] * (3 if sequences == 1 else 1))  # one sequence's decode is too short alone
     settle(settle_pids)
     plain = batched_bench(runs)[sequences]["decode_tok_s"]
-    with GrpcStreamLoad(rate, streams=n, protocol="http") as load:
+    with GrpcStreamLoad(rate, streams=concurrent, protocol="http") as load:
         loaded = batched_bench(runs)[sequences]["decode_tok_s"]
     cost = load.figures
-    return {"streams": n, "decode_sequences": sequences, "decode_tok_s": loaded, "plain_decode_tok_s": plain,
+    return {"streams": n, "bare_streams": concurrent, "decode_sequences": sequences, "decode_tok_s": loaded, "plain_decode_tok_s": plain,
             "load": cost,
             "python_ms_per_token": cost["server_cpu_ms_per_message"] + cost["client_cpu_ms_per_message"]}
 
