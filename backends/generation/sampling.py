@@ -82,6 +82,8 @@ _BLOCK = 256  # weights per block of the two-level search: about the square root
 # (256 * e^80, about 1.4e37 against float32's 3.4e38) overflows, and from
 # -27 the largest weight stays far above the subnormal range
 _LOW_TOP, _HIGH_TOP = -27.0, 80.0
+_LOG2_E_64 = 1.4426950408889634  # log2(e)
+_LOG2_E = np.float32(_LOG2_E_64)
 
 
 def draw_whole(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
@@ -89,15 +91,15 @@ def draw_whole(logits: np.ndarray, temperature: float, rng: np.random.Generator)
     truncates, without a vocabulary-long running sum or a float64 exp:
     the softmax weights are computed in float32 (numpy's float32 exp is
     vectorised; its float64 exp is a scalar loop here, 386 against 85 us
-    over 49,152 tokens), and one uniform draw is scaled by their total
-    rather than every weight divided by it. The draw is found in two
-    levels, the running sum of per-block totals and then the running sum
-    inside the one block it falls in: a cumulative sum is one serial pass
-    that numpy cannot vectorise, block totals are. Blocks are summed in
-    float32 (numpy sums pairwise: rounding of the order of the weights'
-    own), their running sum in float64. At temperature 1 with the largest
-    logit in [_LOW_TOP, _HIGH_TOP] the weights are exp(logit) itself, not
-    exp(logit - max): the same draw, since only their ratios count, and one
+    over 49,152 tokens), as powers of two (exp2, below), and one uniform
+    draw is scaled by their total rather than every weight divided by it.
+    The draw is found in two levels, the running sum of per-block totals
+    and then the running sum inside the one block it falls in: a
+    cumulative sum is one serial pass that numpy cannot vectorise, block
+    totals are. Blocks are summed in float32 (rounding of the order of the
+    weights' own), their running sum in float64. At temperature 1 with the
+    largest logit in [_LOW_TOP, _HIGH_TOP] the weights are exp(logit)
+    itself, not exp(logit - max): the same draw, since only their ratios count, and one
     pass over the row less (a weight that underflows to zero is under e^-60
     of the largest one's, far below float32's resolution). The same
     generator step as draw; the two differ only where a draw lands within
@@ -112,14 +114,17 @@ def draw_whole(logits: np.ndarray, temperature: float, rng: np.random.Generator)
         _SCRATCH.vocab = vocab
     weights = scratch[:vocab]  # the padding past it stays 0 and is never picked
     top = logits.max()
+    # e^x as 2^(x log2 e): numpy's float32 exp2 takes 11 us over 49,152
+    # weights here against exp's 25, the multiply 5 (the product's rounding
+    # moves a weight by a few parts in a million at most)
     if temperature == 1.0 and _LOW_TOP <= top <= _HIGH_TOP:
-        np.exp(logits, out=weights)
+        np.multiply(logits, _LOG2_E, out=weights)
     else:
         np.subtract(logits, top, out=weights)
-        if temperature != 1.0:
-            weights /= np.float32(temperature)
-        np.exp(weights, out=weights)
-    running = np.cumsum(scratch.reshape(-1, _BLOCK).sum(axis=1), dtype=np.float64)
+        weights *= np.float32(_LOG2_E_64 / temperature)
+    np.exp2(weights, out=weights)
+    # einsum's row sums, not sum(axis=1): 6 against 16 us over 192 blocks of 256 here
+    running = np.cumsum(np.einsum("ij->i", scratch.reshape(-1, _BLOCK)), dtype=np.float64)
     target = rng.random() * running[-1]
     block = min(int(running.searchsorted(target, side="right")), running.shape[0] - 1)
     if block:
