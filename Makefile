@@ -102,7 +102,7 @@ stress: models
 	MODELD_STRESS_SCALE=20 MODELD_STRESS_RESULTS=bench/results/stress.json MODELD_STRESS_COMMAND="make stress" \
 		$(BIN)/pytest -m stress tests/stress $(PYTEST_ARGS)
 
-BENCHES = minilm llamacpp llama_server backends onnx_genai torch http gateway remote infinity torch_vllm workers store structured token_cpu aiperf lora gateway_http kv_routing load_starvation store_fleet
+BENCHES = minilm llamacpp llama_server backends onnx_genai torch http gateway remote infinity torch_vllm workers store structured token_cpu step_parts aiperf lora gateway_http kv_routing load_starvation store_fleet
 
 # every benchmark runs even when one before it fails (a run takes over an
 # hour); the target still fails, naming each that did
