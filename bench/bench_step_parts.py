@@ -177,9 +177,10 @@ async def run(streams: list[int], tokens: int, rounds: int, temperature: float) 
                        "unclocked_step_thread_python_us_per_token": unclocked["step_thread_python_us_per_token"],
                        **clocked}
                 rows.append(row)
-                print(f"round {r}, {n} streams: step thread Python {row['unclocked_step_thread_python_us_per_token']:.1f}"
-                      f" us/token unclocked, {row['step_thread_python_us_per_token']:.1f} clocked; " + ", ".join(f"{k} {v:.1f}" for k, v in row["parts_us_per_token"].items()
-                                                 if abs(v) >= 0.5), flush=True)
+                parts = ", ".join(f"{k} {v:.1f}" for k, v in row["parts_us_per_token"].items() if abs(v) >= 0.5)
+                print(f"round {r}, {n} streams: step thread Python "
+                      f"{row['unclocked_step_thread_python_us_per_token']:.1f} us/token unclocked, "
+                      f"{row['step_thread_python_us_per_token']:.1f} clocked; {parts}", flush=True)
     finally:
         await model.loop.stop()
         await channel.close()

@@ -618,8 +618,8 @@ def stream_floor(n: int, rate: float, settle_pids: list[int]) -> dict | None:
     with GrpcStreamLoad(rate, streams=concurrent, protocol="http") as load:
         loaded = batched_bench(runs)[sequences]["decode_tok_s"]
     cost = load.figures
-    return {"streams": n, "bare_streams": concurrent, "decode_sequences": sequences, "decode_tok_s": loaded, "plain_decode_tok_s": plain,
-            "load": cost,
+    return {"streams": n, "bare_streams": concurrent, "decode_sequences": sequences, "decode_tok_s": loaded,
+            "plain_decode_tok_s": plain, "load": cost,
             "python_ms_per_token": cost["server_cpu_ms_per_message"] + cost["client_cpu_ms_per_message"]}
 
 

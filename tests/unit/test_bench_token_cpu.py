@@ -16,7 +16,8 @@ from racing import process_cpu_seconds  # noqa: E402
 
 
 def _floor(server: float, client: float, loaded: float = 90.0, plain: float = 100.0, streams: int = 1) -> dict:
-    return {"streams": streams, "decode_tok_s": loaded, "plain_decode_tok_s": plain, "python_ms_per_token": server + client,
+    return {"streams": streams, "decode_tok_s": loaded, "plain_decode_tok_s": plain,
+            "python_ms_per_token": server + client,
             "load": {"server_cpu_ms_per_message": server, "client_cpu_ms_per_message": client}}
 
 
