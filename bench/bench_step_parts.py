@@ -17,7 +17,11 @@ a step, so each round first runs the same phase with the parts' clocks
 off (`unclocked`: the step thread's Python as it is) and then with them
 on (the parts, whose sum includes the reads). `other` is the step
 thread's Python that no part covers (the burst loop, the observer's step
-report).
+report). After the rounds, the same streams run with llama_decode
+returning at once (its buffer keeps the last real decode's logits, so
+every step still reads, draws and sends tokens): the step thread's
+Python on caches no decode has emptied, beside the figure after each
+decode (`after_decode_over_no_decode`).
 
     .venv/bin/python bench/bench_step_parts.py --streams 1,8 --tokens 128 --rounds 3
     .venv/bin/python bench/bench_step_parts.py --temperature 1   # sampled (llama.cpp's chain draws)
@@ -72,13 +76,17 @@ class Clock:
         self.compute_ns = 0
         self.parts: dict[str, int] = {}
         self.parts_on = True  # off: the parts run unclocked (the compute calls are always timed)
+        # on: llama_decode returns at once, its logits buffer left as the last real decode wrote it
+        self.skip_decode = False
 
     def wrap_compute(self, llama) -> None:
         for name in COMPUTE_CALLS:
-            setattr(llama, name, self._timed_compute(getattr(llama, name)))
+            setattr(llama, name, self._timed_compute(getattr(llama, name), skippable=name == "llama_decode"))
 
-    def _timed_compute(self, call):
+    def _timed_compute(self, call, skippable: bool = False):
         def timed(*args):
+            if skippable and self.skip_decode:
+                return 0
             started = time.thread_time_ns()
             try:
                 return call(*args)
@@ -181,6 +189,21 @@ async def run(streams: list[int], tokens: int, rounds: int, temperature: float) 
                 print(f"round {r}, {n} streams: step thread Python "
                       f"{row['unclocked_step_thread_python_us_per_token']:.1f} us/token unclocked, "
                       f"{row['step_thread_python_us_per_token']:.1f} clocked; {parts}", flush=True)
+        # The same steps with no decode between them: the step thread's
+        # Python on caches the decode has not emptied. Last, since the
+        # sequences' KV cells then stop matching what the scheduler holds.
+        clock.parts_on, clock.skip_decode = False, True
+        for r in range(rounds):
+            for n in streams:
+                prompts = [f"Write a long story, number {i}, about a lighthouse keeper." for i in range(n)]
+                step, compute = thread_cpu_ns(tid), clock.compute_ns
+                await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+                step, compute = thread_cpu_ns(tid) - step, clock.compute_ns - compute
+                hot = summarise({}, step, compute, n * tokens)["step_thread_python_us_per_token"]
+                rows.append({"round": r, "streams": n, "no_decode": True,
+                             "unclocked_step_thread_python_us_per_token": hot})
+                print(f"round {r}, {n} streams, no decode between steps: step thread Python {hot:.1f} us/token",
+                      flush=True)
     finally:
         await model.loop.stop()
         await channel.close()
@@ -192,7 +215,7 @@ async def run(streams: list[int], tokens: int, rounds: int, temperature: float) 
 def medians(rows: list[dict]) -> dict:
     out = {}
     for n in sorted({r["streams"] for r in rows}):
-        got = [r for r in rows if r["streams"] == n]
+        got = [r for r in rows if r["streams"] == n and not r.get("no_decode")]
         parts = {k for r in got for k in r["parts_us_per_token"]}
         out[n] = {"unclocked_step_thread_python_us_per_token": statistics.median(
                       r["unclocked_step_thread_python_us_per_token"] for r in got),
@@ -201,6 +224,12 @@ def medians(rows: list[dict]) -> dict:
                   "parts_us_per_token": dict(sorted(
                       ((k, statistics.median(r["parts_us_per_token"].get(k, 0.0) for r in got)) for k in parts),
                       key=lambda kv: -kv[1]))}
+        hot = [r["unclocked_step_thread_python_us_per_token"] for r in rows
+               if r["streams"] == n and r.get("no_decode")]
+        if hot:
+            out[n]["no_decode_step_thread_python_us_per_token"] = statistics.median(hot)
+            out[n]["after_decode_over_no_decode"] = round(
+                out[n]["unclocked_step_thread_python_us_per_token"] / statistics.median(hot), 2)
     return out
 
 
@@ -220,6 +249,10 @@ def main() -> None:
         print(f"{n} streams (medians): step thread Python {row['unclocked_step_thread_python_us_per_token']:.1f} "
               f"us/token unclocked, {row['step_thread_python_us_per_token']:.1f} clocked; "
               + ", ".join(f"{k} {v:.1f}" for k, v in row["parts_us_per_token"].items()), flush=True)
+        if "no_decode_step_thread_python_us_per_token" in row:
+            print(f"{n} streams (medians): with no decode between steps "
+                  f"{row['no_decode_step_thread_python_us_per_token']:.1f} us/token; after each decode "
+                  f"{row['after_decode_over_no_decode']}x that", flush=True)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(record, indent=2))
 

@@ -67,3 +67,43 @@ def test_parts_switched_off_run_unclocked(monkeypatch):
     clock.parts_on = True
     _Step().python_part()
     assert clock.parts["Step.python_part"] >= 10_000_000
+
+
+def test_skipped_decode_runs_nothing_and_counts_no_compute():
+    calls = []
+
+    def decode(*args):
+        calls.append("decode")
+        _burn(5_000_000)
+        return 0
+
+    def sample(*args):
+        calls.append("sample")
+        _burn(5_000_000)
+        return 7
+
+    llama = types.SimpleNamespace(llama_decode=decode, llama_sampler_sample=sample)
+    clock = bench.Clock()
+    clock.wrap_compute(llama)
+    clock.skip_decode = True
+    assert llama.llama_decode("ctx", "batch") == 0
+    assert calls == [] and clock.compute_ns == 0
+    assert llama.llama_sampler_sample("chain", "ctx", 0) == 7  # a sampler still draws, from the buffer as left
+    assert calls == ["sample"] and clock.compute_ns >= 5_000_000
+    clock.skip_decode = False
+    llama.llama_decode("ctx", "batch")
+    assert calls == ["sample", "decode"] and clock.compute_ns >= 10_000_000
+
+
+def test_medians_set_each_stream_count_after_decodes_against_no_decode():
+    rows = [{"round": 0, "streams": 1, "unclocked_step_thread_python_us_per_token": 300.0,
+             "step_thread_python_us_per_token": 310.0, "parts_us_per_token": {"A.a": 100.0}},
+            {"round": 1, "streams": 1, "unclocked_step_thread_python_us_per_token": 320.0,
+             "step_thread_python_us_per_token": 330.0, "parts_us_per_token": {"A.a": 120.0}},
+            {"round": 0, "streams": 1, "no_decode": True, "unclocked_step_thread_python_us_per_token": 50.0},
+            {"round": 1, "streams": 1, "no_decode": True, "unclocked_step_thread_python_us_per_token": 70.0}]
+    got = bench.medians(rows)[1]
+    assert got["unclocked_step_thread_python_us_per_token"] == pytest.approx(310.0)  # the no-decode rows left out
+    assert got["parts_us_per_token"] == {"A.a": pytest.approx(110.0)}
+    assert got["no_decode_step_thread_python_us_per_token"] == pytest.approx(60.0)
+    assert got["after_decode_over_no_decode"] == pytest.approx(5.17)
