@@ -164,22 +164,24 @@ async def run(streams: list[int], tokens: int, rounds: int, temperature: float) 
         async for _ in model.loop.generate(request):
             pass
 
+    async def phase(n: int) -> tuple[int, int, float]:
+        """n streams at once: the step thread's CPU, its part inside llama.cpp (ns) and the wall time (s)."""
+        step, compute, wall = thread_cpu_ns(tid), clock.compute_ns, time.perf_counter()
+        await asyncio.gather(*(one(i, f"Write a long story, number {i}, about a lighthouse keeper.")
+                               for i in range(n)))
+        return thread_cpu_ns(tid) - step, clock.compute_ns - compute, time.perf_counter() - wall
+
     rows = []
     try:
         for r in range(rounds):
             for n in streams:
-                prompts = [f"Write a long story, number {i}, about a lighthouse keeper." for i in range(n)]
-                # the prompts' prefixes cached first: the phases time decode steps
-                await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+                await phase(n)  # the prompts' prefixes cached first: the phases time decode steps
                 measured = []
                 for parts_on in (False, True):
                     clock.parts.clear()
                     clock.parts_on = parts_on
-                    step, compute, wall = thread_cpu_ns(tid), clock.compute_ns, time.perf_counter()
-                    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-                    step, compute = thread_cpu_ns(tid) - step, clock.compute_ns - compute
-                    measured.append((summarise(clock.parts, step, compute, n * tokens),
-                                     n * tokens / (time.perf_counter() - wall)))
+                    step, compute, wall = await phase(n)
+                    measured.append((summarise(clock.parts, step, compute, n * tokens), n * tokens / wall))
                 (unclocked, _), (clocked, tok_s) = measured
                 row = {"round": r, "streams": n, "tok_s": tok_s,
                        "unclocked_step_thread_python_us_per_token": unclocked["step_thread_python_us_per_token"],
@@ -195,10 +197,7 @@ async def run(streams: list[int], tokens: int, rounds: int, temperature: float) 
         clock.parts_on, clock.skip_decode = False, True
         for r in range(rounds):
             for n in streams:
-                prompts = [f"Write a long story, number {i}, about a lighthouse keeper." for i in range(n)]
-                step, compute = thread_cpu_ns(tid), clock.compute_ns
-                await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-                step, compute = thread_cpu_ns(tid) - step, clock.compute_ns - compute
+                step, compute, _ = await phase(n)
                 hot = summarise({}, step, compute, n * tokens)["step_thread_python_us_per_token"]
                 rows.append({"round": r, "streams": n, "no_decode": True,
                              "unclocked_step_thread_python_us_per_token": hot})
@@ -227,9 +226,9 @@ def medians(rows: list[dict]) -> dict:
         hot = [r["unclocked_step_thread_python_us_per_token"] for r in rows
                if r["streams"] == n and r.get("no_decode")]
         if hot:
-            out[n]["no_decode_step_thread_python_us_per_token"] = statistics.median(hot)
+            hot_median = out[n]["no_decode_step_thread_python_us_per_token"] = statistics.median(hot)
             out[n]["after_decode_over_no_decode"] = round(
-                out[n]["unclocked_step_thread_python_us_per_token"] / statistics.median(hot), 2)
+                out[n]["unclocked_step_thread_python_us_per_token"] / hot_median, 2)
     return out
 
 

@@ -1,5 +1,6 @@
 """bench_step_parts' clock: a part's figure leaves out the llama.cpp calls
-made inside it, and what no part covers is reported as `other`."""
+made inside it, what no part covers is reported as `other`, and a
+skipped decode runs nothing while its rows are kept apart in the medians."""
 
 from __future__ import annotations
 
