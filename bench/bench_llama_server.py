@@ -24,7 +24,10 @@ the other's threads still polling for work.
 
 --protocol http races the two servers' OpenAI `/v1/completions` instead,
 streamed by the same blocking client code (requests, one thread a stream):
-the comparison a user of either's OpenAI API makes. The default (grpc)
+the comparison a user of either's OpenAI API makes; its rounds also time
+the one-stream phase through the pipeline floor (pipeline_floor.py: a
+Python worker and front that do nothing but decode and stream), what a
+server of modeld's shape reaches whatever its own work. The default (grpc)
 streams modeld's Generate and llama-server's native /completion. The
 ceiling's gRPC rows are timed either way.
 
@@ -256,17 +259,36 @@ async def race(rounds: int, protocol: str, threads: int = THREADS) -> dict:
     return {"protocol": protocol, "rounds": runs}
 
 
+def run_pipeline(pipeline) -> dict:
+    """The pipeline floor's one stream (bench/pipeline_floor.py: a worker and
+    a front that do nothing else), as run_blocking's first phase."""
+    openai_stream(pipeline.http_url, "Warm up.", 8)
+    with CpuPerToken(pipeline.pid) as cpu:
+        single = _single(cpu.count([openai_stream(pipeline.http_url, p, NEW_TOKENS) for p in PROMPTS[:3]]))
+    single["cpu_ms_per_token"] = cpu.figures
+    return {"single": single}
+
+
 async def race_round(r: int, protocol: str, threads: int, repository: Path) -> dict:
+    from pipeline_floor import PipelineFloor
+
     node, peer = Modeld("--no-preload", repository=repository), LlamaServer(threads)
+    # over HTTP, the one stream of a server of modeld's shape that does nothing else
+    pipeline = PipelineFloor(threads=threads).__enter__() if protocol == "http" else None
+    sides = SIDES + (["pipeline"] if pipeline is not None else [])
     try:
         node.load()
         got = {}
         # the ceiling is measured in every round too: a figure taken once,
         # minutes away from the race, compares two different machines
         settled = {}
-        for side in round_order(SIDES, r):
+        for side in round_order(sides, r):
             # llama.cpp's threads poll for work a while after their last step, on both sides
-            settled[side] = round(settle([node.daemon.proc.pid, peer.proc.pid]), 2)
+            settled[side] = round(settle([node.daemon.proc.pid, peer.proc.pid]
+                                         + ([pipeline.pid, pipeline.worker] if pipeline is not None else [])), 2)
+            if side == "pipeline":
+                got[side] = run_pipeline(pipeline)
+                continue
             if side == "modeld" and protocol == "grpc":
                 got[side] = await run_modeld(node)
             elif side == "modeld":
@@ -282,7 +304,9 @@ async def race_round(r: int, protocol: str, threads: int, repository: Path) -> d
     finally:
         node.stop()
         peer.stop()
-    got["first"] = round_order(SIDES, r)[0]
+        if pipeline is not None:
+            pipeline.__exit__()
+    got["first"] = round_order(sides, r)[0]
     got["settled_s"] = settled
     m, p = got["modeld"], got["llama-server"]
     print(f"round {r} ({got['first']} first): 8 streams fresh {m['fresh']['tok_s']:.1f} vs {p['fresh']['tok_s']:.1f} "
@@ -290,7 +314,8 @@ async def race_round(r: int, protocol: str, threads: int, repository: Path) -> d
           f"vs {p['single']['tok_s']:.1f}; ttft@8 {m['fresh']['median_ttft_s']:.2f} vs {p['fresh']['median_ttft_s']:.2f} s; "
           f"batched-bench 8 seq {got['ceiling'][8]['decode_tok_s']:.1f}, 1 seq {got['ceiling'][1]['decode_tok_s']:.1f}, "
           f"1 seq beside a gRPC stream {got['ceiling_grpc']['decode_tok_s']:.1f}, "
-          f"8 seq beside 8 {got['ceiling_grpc8']['decode_tok_s']:.1f}",
+          f"8 seq beside 8 {got['ceiling_grpc8']['decode_tok_s']:.1f}"
+          + (f"; the pipeline floor's 1 stream {got['pipeline']['single']['tok_s']:.1f}" if "pipeline" in got else ""),
           flush=True)
     return got
 
@@ -322,7 +347,21 @@ def summarise(runs: list[dict]) -> dict:
     medians["ceiling 1 sequence decode tok_s"] = statistics.median(ceiling(1))
     medians["ceiling 8 sequences decode tok_s"] = ceiling8
     ceiling_ratio = median_ratio(series("modeld", "fresh", "tok_s"), ceiling(8))
+    pipeline = {}
+    if all("pipeline" in g for g in runs):
+        # one stream of a worker and a front that do nothing else: what a
+        # server of modeld's shape reaches, against the peer and the machine
+        pipeline = {"pipeline_floor": {
+            "single_tok_s": statistics.median(series("pipeline", "single", "tok_s")),
+            "over_llama_server": median_ratio(series("pipeline", "single", "tok_s"),
+                                              series("llama-server", "single", "tok_s")),
+            "over_ceiling": median_ratio(series("pipeline", "single", "tok_s"), ceiling(1)),
+            "modeld_over_it": median_ratio(series("modeld", "single", "tok_s"), series("pipeline", "single", "tok_s")),
+            "cpu_ms_per_token": {part: statistics.median(g["pipeline"]["single"]["cpu_ms_per_token"][part]
+                                                         for g in runs) for part in ("front", "children", "client")},
+        }}
     return {
+        **pipeline,
         "medians": medians,
         "goals": {
             "8 streams fresh vs llama-server": goal(fresh, 1.0),
@@ -430,6 +469,11 @@ def main() -> None:
     print(f"llama-server's own 8 streams: {summary['peer_8_streams_over_ceiling']:.2f}x of batched-bench's decode")
     print("1 stream against batched-bench's 1-sequence decode: " + ", ".join(
         f"{side} {ratio:.2f}x" for side, ratio in summary["single_over_ceiling"].items()))
+    if "pipeline_floor" in summary:
+        floor = summary["pipeline_floor"]
+        print(f"1 stream, the pipeline floor (a worker and a front that do nothing else): {floor['single_tok_s']:.1f} "
+              f"tok/s, {floor['over_llama_server']:.2f}x llama-server's, {floor['over_ceiling']:.2f}x batched-bench's "
+              f"decode; modeld {floor['modeld_over_it']:.2f}x of it")
     cost = summary["grpc_stream_cpu_ms_per_message"]
     print(f"the same decode beside a bare gRPC stream (server {cost['server']:.2f} + client {cost['client']:.2f} CPU ms "
           f"a token): {summary['grpc_ceiling_over_ceiling']:.2f}x of it; modeld's 1 stream "

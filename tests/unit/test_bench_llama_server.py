@@ -51,6 +51,19 @@ def test_single_stream_is_set_against_the_decode_beside_a_grpc_stream():
     assert summary["grpc_stream_cpu_ms_per_message"] == {"server": 0.8, "client": 0.5}
 
 
+def test_pipeline_floor_single_stream_is_set_against_both_servers_and_the_ceiling():
+    runs = [_round(80, 90, 100), _round(90, 95, 100), _round(88, 99, 110)]
+    for run, floor in zip(runs, (85, 100, 99)):
+        run["pipeline"] = {"single": _side(floor, 0, 0)["single"]}
+    got = bench.summarise(runs)["pipeline_floor"]
+    assert got["single_tok_s"] == 99
+    assert got["over_llama_server"] == pytest.approx(1.0)  # per round 0.94, 1.05, 1.0
+    assert got["over_ceiling"] == pytest.approx(0.9)  # 0.85, 1.0, 0.9
+    assert got["modeld_over_it"] == pytest.approx(90 / 100)  # 0.94, 0.9, 0.89
+    assert got["cpu_ms_per_token"] == {"front": 0.8, "children": 20.0, "client": 0.5}
+    assert "pipeline_floor" not in bench.summarise([_round(80, 90, 100)])  # the gRPC race runs none
+
+
 def test_eight_streams_are_set_against_the_decode_beside_eight_grpc_streams():
     runs = [_round(80, 90, 100, fresh=90, peer_fresh=100, grpc8=95, plain8=100),
             _round(80, 90, 100, fresh=99, peer_fresh=90, grpc8=99, plain8=110),
