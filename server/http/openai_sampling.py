@@ -29,7 +29,7 @@ from modeld.server.http.openai_tools import chat_messages
 
 _SAMPLING_EXTENSIONS = {"top_k", "min_p", "ignore_eos", "priority", "speculative", "num_speculative_tokens",
                         "repetition_penalty", "min_tokens", "stop_token_ids", "skip_special_tokens",
-                        "include_stop_str_in_output", "prompt_logprobs"}
+                        "include_stop_str_in_output", "prompt_logprobs", "cache_prompt"}
 # where a constraint may come from: OpenAI, vLLM (current and older), llama-server
 _CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar", "grammar", "json_schema")
@@ -197,6 +197,7 @@ def _sampling(body: dict, logprobs: int, constraint: Constraint | None) -> Sampl
         "min_tokens": get_int(body, "min_tokens"),
         "skip_special_tokens": get_field(body, "skip_special_tokens", (bool,), "true or false"),
         "include_stop_str_in_output": get_field(body, "include_stop_str_in_output", (bool,), "true or false"),
+        "cache_prompt": get_field(body, "cache_prompt", (bool,), "true or false"),
     }
     # OpenAI's defaults where they differ from ours: temperature 1 and,
     # absent max_tokens, the engine's default length (SamplingParams)

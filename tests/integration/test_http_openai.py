@@ -93,6 +93,11 @@ def test_chat_equals_grpc_generate(client, stub):
     again = client.chat.completions.create(model="smollm2", messages=CHAT, max_completion_tokens=24, temperature=0)
     assert again.choices[0].message.content == expected
     assert again.usage.prompt_tokens_details.cached_tokens > 0
+    # cache_prompt false (llama-server's field): the prompt computed afresh, the same answer
+    fresh = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=24, temperature=0,
+                                           extra_body={"cache_prompt": False})
+    assert fresh.choices[0].message.content == expected
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
     assert answer.object == "chat.completion" and answer.id.startswith("chatcmpl-") and answer.model == "smollm2"
 
 

@@ -80,6 +80,7 @@ BAD = {
     "too many stops": ({"stop": [str(i) for i in range(17)]}, "stop"),
     "min_tokens over max_tokens": ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     "skip_special_tokens not a bool": ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+    "cache_prompt not a bool": ({"cache_prompt": 0}, "cache_prompt"),
     "prompt_logprobs": ({"prompt_logprobs": 2}, "prompt_logprobs"),
 }
 
@@ -90,6 +91,12 @@ def test_bad_fields_name_the_field(case):
     with pytest.raises(FieldError) as err:
         generation_fields({**CHAT, **fields}, chat=True)
     assert err.value.param == param and param in str(err.value), str(err.value)
+
+
+def test_cache_prompt_as_llama_server_spells_it():
+    assert generation_fields(CHAT, chat=True).params.cache_prompt
+    assert not generation_fields({**CHAT, "cache_prompt": False}, chat=True).params.cache_prompt
+    assert not generation_fields({"model": "m", "prompt": "x", "cache_prompt": False}, chat=False).params.cache_prompt
 
 
 def test_sampling_fields_and_choices():
