@@ -25,9 +25,10 @@ the other's threads still polling for work.
 --protocol http races the two servers' OpenAI `/v1/completions` instead,
 streamed by the same blocking client code (requests, one thread a stream):
 the comparison a user of either's OpenAI API makes; its rounds also time
-the one-stream phase through the pipeline floor (pipeline_floor.py: a
-Python worker and front that do nothing but decode and stream), what a
-server of modeld's shape reaches whatever its own work. The default (grpc)
+the one-stream phase and the 8 fresh streams through the pipeline floor
+(pipeline_floor.py: a Python worker and front that do nothing but decode
+and stream), what a server of modeld's shape reaches whatever its own
+work. The default (grpc)
 streams modeld's Generate and llama-server's native /completion. The
 ceiling's gRPC rows are timed either way.
 
@@ -260,13 +261,17 @@ async def race(rounds: int, protocol: str, threads: int = THREADS) -> dict:
 
 
 def run_pipeline(pipeline) -> dict:
-    """The pipeline floor's one stream (bench/pipeline_floor.py: a worker and
-    a front that do nothing else), as run_blocking's first phase."""
-    openai_stream(pipeline.http_url, "Warm up.", 8)
+    """The pipeline floor (bench/pipeline_floor.py: a worker and a front
+    that do nothing else) through run_blocking's one stream and its 8 fresh
+    streams; it keeps no prefix, so it has no warm phase."""
+    def stream(prompt: str, max_tokens: int) -> dict:
+        return openai_stream(pipeline.http_url, prompt, max_tokens)
+
+    stream("Warm up.", 8)
     with CpuPerToken(pipeline.pid) as cpu:
-        single = _single(cpu.count([openai_stream(pipeline.http_url, p, NEW_TOKENS) for p in PROMPTS[:3]]))
+        single = _single(cpu.count([stream(p, NEW_TOKENS) for p in PROMPTS[:3]]))
     single["cpu_ms_per_token"] = cpu.figures
-    return {"single": single}
+    return {"single": single, "fresh": _burst(*concurrent_threads(lambda p: stream(p, NEW_TOKENS), PROMPTS))}
 
 
 async def race_round(r: int, protocol: str, threads: int, repository: Path) -> dict:
@@ -315,7 +320,8 @@ async def race_round(r: int, protocol: str, threads: int, repository: Path) -> d
           f"batched-bench 8 seq {got['ceiling'][8]['decode_tok_s']:.1f}, 1 seq {got['ceiling'][1]['decode_tok_s']:.1f}, "
           f"1 seq beside a gRPC stream {got['ceiling_grpc']['decode_tok_s']:.1f}, "
           f"8 seq beside 8 {got['ceiling_grpc8']['decode_tok_s']:.1f}"
-          + (f"; the pipeline floor's 1 stream {got['pipeline']['single']['tok_s']:.1f}" if "pipeline" in got else ""),
+          + (f"; the pipeline floor's 1 stream {got['pipeline']['single']['tok_s']:.1f}, 8 fresh "
+             f"{got['pipeline']['fresh']['tok_s']:.1f}" if "pipeline" in got else ""),
           flush=True)
     return got
 
@@ -360,6 +366,14 @@ def summarise(runs: list[dict]) -> dict:
             "cpu_ms_per_token": {part: statistics.median(g["pipeline"]["single"]["cpu_ms_per_token"][part]
                                                          for g in runs) for part in ("front", "children", "client")},
         }}
+        if all("fresh" in g["pipeline"] for g in runs):
+            pipeline["pipeline_floor"]["streams8"] = {
+                "tok_s": statistics.median(series("pipeline", "fresh", "tok_s")),
+                "over_llama_server": median_ratio(series("pipeline", "fresh", "tok_s"),
+                                                  series("llama-server", "fresh", "tok_s")),
+                "over_ceiling": median_ratio(series("pipeline", "fresh", "tok_s"), ceiling(8)),
+                "modeld_over_it": median_ratio(series("modeld", "fresh", "tok_s"), series("pipeline", "fresh", "tok_s")),
+            }
     return {
         **pipeline,
         "medians": medians,
@@ -474,6 +488,11 @@ def main() -> None:
         print(f"1 stream, the pipeline floor (a worker and a front that do nothing else): {floor['single_tok_s']:.1f} "
               f"tok/s, {floor['over_llama_server']:.2f}x llama-server's, {floor['over_ceiling']:.2f}x batched-bench's "
               f"decode; modeld {floor['modeld_over_it']:.2f}x of it")
+        if "streams8" in floor:
+            eight = floor["streams8"]
+            print(f"8 fresh streams, the pipeline floor: {eight['tok_s']:.1f} tok/s, {eight['over_llama_server']:.2f}x "
+                  f"llama-server's, {eight['over_ceiling']:.2f}x batched-bench's decode; modeld "
+                  f"{eight['modeld_over_it']:.2f}x of it")
     cost = summary["grpc_stream_cpu_ms_per_message"]
     print(f"the same decode beside a bare gRPC stream (server {cost['server']:.2f} + client {cost['client']:.2f} CPU ms "
           f"a token): {summary['grpc_ceiling_over_ceiling']:.2f}x of it; modeld's 1 stream "

@@ -45,11 +45,12 @@ Three parts (all by default; `--only unit`, `--only daemon` or `--only sampling`
           token is what any server pays that moves each token between two
           Python processes, as modeld's worker and daemon do, before it
           does any work.
-          With one stream asked for, each round also runs the pipeline
+          Each round also runs every stream count through the pipeline
           floor (pipeline_floor.py): a worker process that decodes with
-          modeld's llama.cpp settings and a front that streams the tokens as
-          OpenAI chunks, nothing else on either side, clocked as the daemon
-          is: the least a server of modeld's shape pays between two decodes.
+          modeld's llama.cpp settings, as many sequences at once as modeld,
+          and a front that streams the tokens as OpenAI chunks, nothing else
+          on either side, clocked as the daemon is: the least a server of
+          modeld's shape pays between two decodes.
 
   sampling  one sampled row of SmolLM2's real logits (8 rows a decode, at
           OpenAI's default temperature 1 over the whole vocabulary and at
@@ -339,8 +340,8 @@ def clock_ns(folder: Path, pid: int) -> int | None:
 
 
 class Pipeline:
-    """bench/pipeline_floor.py's front and worker (one sequence, no
-    features), the worker clocked as a Daemon's is."""
+    """bench/pipeline_floor.py's front and worker (no features), the
+    worker clocked as a Daemon's is."""
 
     label = "pipeline"
 
@@ -360,18 +361,19 @@ class Pipeline:
         self._clock.cleanup()
 
 
-def measure_pipeline(node: Pipeline, tokens: int) -> dict:
-    """One stream through the pipeline floor: the front's CPU and the
+def measure_pipeline(node: Pipeline, n: int, tokens: int) -> dict:
+    """n streams through the pipeline floor: the front's CPU and the
     worker's main thread less its time in llama_decode (its other threads
     are llama.cpp's compute), per token."""
     pids = [node.pid, node.worker]
     settle(pids)
     before, compute_before = thread_cpu(pids), node.compute_ns()
-    count, wall = asyncio.run(streams(node.http_url, 1, tokens))
+    count, wall = asyncio.run(streams(node.http_url, n, tokens))
     after, compute_after = thread_cpu(pids), node.compute_ns()
     if compute_before is None or compute_after is None:
         raise RuntimeError("the pipeline floor's worker has no compute clock")
-    return pipeline_figures(before, after, compute_after - compute_before, node.pid, node.worker, count, wall)
+    return {"streams": n, **pipeline_figures(before, after, compute_after - compute_before, node.pid, node.worker,
+                                             count, wall)}
 
 
 def pipeline_figures(before: dict, after: dict, compute_ns: int, front: int, worker: int, count: int,
@@ -379,7 +381,7 @@ def pipeline_figures(before: dict, after: dict, compute_ns: int, front: int, wor
     spent = {key: end - before.get(key, 0.0) for key, end in after.items()}
     front_s = sum(v for (pid, _), v in spent.items() if pid == front)
     step_python_s = spent.get((worker, worker), 0.0) - compute_ns / 1e9
-    return {"streams": 1, "tokens": count, "wall_s": wall, "tok_s": count / wall,
+    return {"tokens": count, "wall_s": wall, "tok_s": count / wall,
             "front_ms_per_token": front_s * 1e3 / count,
             "worker_python_ms_per_token": step_python_s * 1e3 / count,
             "python_ms_per_token": (front_s + step_python_s) * 1e3 / count}
@@ -687,12 +689,11 @@ def daemon_bench(stream_counts: list[int], tokens: int, rounds: int, profile: bo
     with --before the earlier one), in alternating order; then one profile
     phase per side and stream count splits the step thread."""
     nodes = [Daemon()] + ([Daemon(before)] if before is not None else [])
-    pipeline = Pipeline() if 1 in stream_counts else None
+    pipeline = Pipeline()
     try:
         for node in nodes:
             asyncio.run(streams(node.daemon.http_url, 2, 8))  # warm up: first prompt, first compile
-        if pipeline is not None:
-            asyncio.run(streams(pipeline.http_url, 1, 8))
+        asyncio.run(streams(pipeline.http_url, 2, 8))
         phases, floors, pipelines = [], [], []
         for r in range(rounds):
             for n in (stream_counts if r % 2 == 0 else list(reversed(stream_counts))):
@@ -714,11 +715,11 @@ def daemon_bench(stream_counts: list[int], tokens: int, rounds: int, profile: bo
                     print(f"round {r}, floor of {n} streams: bare HTTP streams {floor['python_ms_per_token']:.3f} "
                           f"CPU ms/token (server + client), the decode beside them {floor['decode_tok_s']:.1f} "
                           f"tok/s ({floor['plain_decode_tok_s']:.1f} alone)", flush=True)
-            if pipeline is not None:
-                got = measure_pipeline(pipeline, tokens)
+            for n in stream_counts:
+                got = measure_pipeline(pipeline, n, tokens)
                 got["round"] = r
                 pipelines.append(got)
-                print(f"round {r}, pipeline floor, 1 stream: {got['tok_s']:.1f} tok/s, Python CPU ms/token "
+                print(f"round {r}, pipeline floor, {n} streams: {got['tok_s']:.1f} tok/s, Python CPU ms/token "
                       f"{got['python_ms_per_token']:.3f} (front {got['front_ms_per_token']:.3f}, worker "
                       f"{got['worker_python_ms_per_token']:.3f})", flush=True)
         profiles: dict = {node.label: {} for node in nodes}
@@ -733,8 +734,7 @@ def daemon_bench(stream_counts: list[int], tokens: int, rounds: int, profile: bo
     finally:
         for node in nodes:
             node.stop()
-        if pipeline is not None:
-            pipeline.stop()
+        pipeline.stop()
     summary = {node.label: _summary([p for p in phases if p["side"] == node.label], profiles[node.label],
                                     stream_counts) for node in nodes}
     out = {"phases": phases, "profiles": profiles, "summary": summary["after"]}
@@ -771,17 +771,20 @@ def floor_summary(floors: list[dict], summary: dict, with_before: bool) -> dict:
 
 
 def pipeline_summary(rounds: list[dict], summary: dict) -> dict:
-    """The pipeline floor's medians at one stream beside modeld's: how far
-    above it modeld is, and (beside a --before tree) the least after/before
-    any server of modeld's shape could reach."""
-    out = {"rounds": rounds}
-    for key in ("python_ms_per_token", "front_ms_per_token", "worker_python_ms_per_token", "tok_s"):
-        out[key] = statistics.median(p[key] for p in rounds)
-    out["after_over_pipeline"] = _ratio(summary["after"].get(1, {}).get("python_ms_per_token"),
-                                        out["python_ms_per_token"])
-    if "before" in summary:
-        out["pipeline_over_before"] = _ratio(out["python_ms_per_token"],
-                                             summary["before"].get(1, {}).get("python_ms_per_token"))
+    """The pipeline floor's medians by stream count beside modeld's: how
+    far above it modeld is, and (beside a --before tree) the least
+    after/before any server of modeld's shape could reach."""
+    out = {"rounds": rounds, "by_streams": {}}
+    for n in sorted({p["streams"] for p in rounds}):
+        got = [p for p in rounds if p["streams"] == n]
+        row = {key: statistics.median(p[key] for p in got)
+               for key in ("python_ms_per_token", "front_ms_per_token", "worker_python_ms_per_token", "tok_s")}
+        row["after_over_pipeline"] = _ratio(summary["after"].get(n, {}).get("python_ms_per_token"),
+                                            row["python_ms_per_token"])
+        if "before" in summary:
+            row["pipeline_over_before"] = _ratio(row["python_ms_per_token"],
+                                                 summary["before"].get(n, {}).get("python_ms_per_token"))
+        out["by_streams"][n] = row
     return out
 
 
@@ -872,12 +875,11 @@ def main() -> None:
             print(f"{n} streams: the bare two-process streams' {floor['python_ms_per_token']:.3f} CPU ms/token; "
                   f"modeld {floor['after_over_floor']} of it" + (f"; it is {floor['floor_over_before']} of before's"
                                                                  if "floor_over_before" in floor else ""), flush=True)
-        pipeline = record["daemon"].get("pipeline_floor")
-        if pipeline:
-            print(f"1 stream: the pipeline floor's {pipeline['python_ms_per_token']:.3f} Python CPU ms/token; modeld "
-                  f"{pipeline['after_over_pipeline']} of it" + (f"; it is {pipeline['pipeline_over_before']} of "
-                                                                f"before's" if "pipeline_over_before" in pipeline
-                                                                else ""), flush=True)
+        for n, pipeline in record["daemon"].get("pipeline_floor", {}).get("by_streams", {}).items():
+            print(f"{n} streams: the pipeline floor's {pipeline['python_ms_per_token']:.3f} Python CPU ms/token; "
+                  f"modeld {pipeline['after_over_pipeline']} of it" + (
+                      f"; it is {pipeline['pipeline_over_before']} of before's" if "pipeline_over_before" in pipeline
+                      else ""), flush=True)
     record["load_average_after"] = list(os.getloadavg())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2, default=str))

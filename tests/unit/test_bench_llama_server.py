@@ -51,11 +51,16 @@ def test_single_stream_is_set_against_the_decode_beside_a_grpc_stream():
     assert summary["grpc_stream_cpu_ms_per_message"] == {"server": 0.8, "client": 0.5}
 
 
-def test_pipeline_floor_single_stream_is_set_against_both_servers_and_the_ceiling():
+def test_pipeline_floor_streams_are_set_against_both_servers_and_the_ceiling():
     runs = [_round(80, 90, 100), _round(90, 95, 100), _round(88, 99, 110)]
     for run, floor in zip(runs, (85, 100, 99)):
-        run["pipeline"] = {"single": _side(floor, 0, 0)["single"]}
+        run["pipeline"] = {"single": _side(floor, 0, 0)["single"], "fresh": _side(0, floor + 10, 0)["fresh"]}
     got = bench.summarise(runs)["pipeline_floor"]
+    # 8 fresh streams: 95, 110, 109 tok/s against llama-server's and modeld's 100, against batched-bench's 110
+    assert got["streams8"]["tok_s"] == 109
+    assert got["streams8"]["over_llama_server"] == pytest.approx(1.09)
+    assert got["streams8"]["over_ceiling"] == pytest.approx(109 / 110)
+    assert got["streams8"]["modeld_over_it"] == pytest.approx(100 / 109)
     assert got["single_tok_s"] == 99
     assert got["over_llama_server"] == pytest.approx(1.0)  # per round 0.94, 1.05, 1.0
     assert got["over_ceiling"] == pytest.approx(0.9)  # 0.85, 1.0, 0.9

@@ -1,5 +1,6 @@
-"""bench/pipeline_floor.py's frame reader and bench_token_cpu's figures
-for it: frames cut anywhere by the socket come out whole and in order, and
+"""bench/pipeline_floor.py's frame readers and bench_token_cpu's figures
+for it: frames and requests cut anywhere by the socket come out whole and
+in order, and
 the floor's Python is the front's whole CPU plus the worker's main thread
 less its time in llama.cpp, its other (compute) threads left out."""
 
@@ -15,25 +16,37 @@ floor = pytest.importorskip("pipeline_floor")
 bench = pytest.importorskip("bench_token_cpu")
 
 
-def _frame(token: int, text: str) -> bytes:
+def _frame(token: int, rid: int, text: str) -> bytes:
     data = text.encode()
-    return floor.TOKEN.pack(token, len(data)) + data
+    return floor.TOKEN.pack(token, rid, len(data)) + data
 
 
 def test_frames_cut_anywhere_come_out_whole_and_in_order():
-    stream = _frame(7, "The") + _frame(8, "") + _frame(9, " café") + _frame(floor.END, "")
+    stream = _frame(7, 1, "The") + _frame(8, 2, "") + _frame(9, 1, " café") + _frame(floor.END, 2, "")
     for cut in range(1, len(stream)):
         reader = floor.FrameReader()
         got = reader.feed(stream[:cut]) + reader.feed(stream[cut:])
-        assert got == [(7, "The"), (8, ""), (9, " café"), (floor.END, "")], cut
+        assert got == [(7, 1, "The"), (8, 2, ""), (9, 1, " café"), (floor.END, 2, "")], cut
 
 
 def test_a_partial_frame_waits_for_its_rest():
     reader = floor.FrameReader()
-    whole = _frame(3, "hello")
+    whole = _frame(3, 5, "hello")
     assert reader.feed(whole[:5]) == []
     assert reader.feed(whole[5:-1]) == []
-    assert reader.feed(whole[-1:] + _frame(4, "!")) == [(3, "hello"), (4, "!")]
+    assert reader.feed(whole[-1:] + _frame(4, 6, "!")) == [(3, 5, "hello"), (4, 6, "!")]
+
+
+def test_requests_are_taken_whole_from_the_front_of_the_buffer():
+    import orjson
+
+    jobs = [orjson.dumps({"rid": i, "prompt": "x" * i}) for i in (1, 2)]
+    data = b"".join(floor.REQUEST.pack(len(j)) + j for j in jobs)
+    buffer = bytearray(data[:-3])
+    assert [r["rid"] for r in floor.read_requests(buffer)] == [1]
+    assert len(buffer) == len(data) - 3 - floor.REQUEST.size - len(jobs[0])  # the second, waiting for its end
+    buffer += data[-3:]
+    assert [r["prompt"] for r in floor.read_requests(buffer)] == ["xx"] and not buffer
 
 
 def test_figures_count_the_front_and_the_worker_main_thread_less_its_compute():
@@ -49,12 +62,18 @@ def test_figures_count_the_front_and_the_worker_main_thread_less_its_compute():
     assert got["tok_s"] == pytest.approx(100.0)
 
 
-def test_summary_sets_modeld_and_the_tree_before_against_the_floor():
-    rounds = [{"python_ms_per_token": v, "front_ms_per_token": v / 2, "worker_python_ms_per_token": v / 2,
-               "tok_s": 100.0} for v in (0.3, 0.4, 0.35)]
-    summary = {"after": {1: {"python_ms_per_token": 0.7}}, "before": {1: {"python_ms_per_token": 1.0}}}
-    got = bench.pipeline_summary(rounds, summary)
-    assert got["python_ms_per_token"] == pytest.approx(0.35)
-    assert got["after_over_pipeline"] == pytest.approx(2.0)
-    assert got["pipeline_over_before"] == pytest.approx(0.35)
-    assert "pipeline_over_before" not in bench.pipeline_summary(rounds, {"after": summary["after"]})
+def test_summary_sets_modeld_and_the_tree_before_against_the_floor_by_stream_count():
+    rounds = [{"streams": n, "python_ms_per_token": v * n, "front_ms_per_token": v / 2,
+               "worker_python_ms_per_token": v / 2, "tok_s": 100.0}
+              for n in (1, 8) for v in (0.3, 0.4, 0.35)]
+    summary = {"after": {1: {"python_ms_per_token": 0.7}, 8: {"python_ms_per_token": 3.5}},
+               "before": {1: {"python_ms_per_token": 1.0}, 8: {"python_ms_per_token": 5.6}}}
+    got = bench.pipeline_summary(rounds, summary)["by_streams"]
+    assert got[1]["python_ms_per_token"] == pytest.approx(0.35)
+    assert got[1]["after_over_pipeline"] == pytest.approx(2.0)
+    assert got[1]["pipeline_over_before"] == pytest.approx(0.35)
+    assert got[8]["python_ms_per_token"] == pytest.approx(2.8)  # each stream count against its own rounds
+    assert got[8]["after_over_pipeline"] == pytest.approx(1.25)
+    assert got[8]["pipeline_over_before"] == pytest.approx(0.5)
+    alone = bench.pipeline_summary(rounds, {"after": summary["after"]})["by_streams"][1]
+    assert "pipeline_over_before" not in alone
