@@ -278,7 +278,7 @@ async def race_round(r: int, protocol: str, threads: int, repository: Path) -> d
     from pipeline_floor import PipelineFloor
 
     node, peer = Modeld("--no-preload", repository=repository), LlamaServer(threads)
-    # over HTTP, the one stream of a server of modeld's shape that does nothing else
+    # over HTTP, the streams of a server of modeld's shape that does nothing else
     pipeline = PipelineFloor(threads=threads).__enter__() if protocol == "http" else None
     sides = SIDES + (["pipeline"] if pipeline is not None else [])
     try:

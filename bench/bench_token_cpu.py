@@ -361,15 +361,18 @@ class Pipeline:
         self._clock.cleanup()
 
 
-def measure_pipeline(node: Pipeline, n: int, tokens: int) -> dict:
+def measure_pipeline(node: Pipeline, n: int, tokens: int, others: list[int] = ()) -> dict:
     """n streams through the pipeline floor: the front's CPU and the
     worker's main thread less its time in llama_decode (its other threads
-    are llama.cpp's compute), per token."""
+    are llama.cpp's compute), per token. It starts once the daemons
+    (`others`) are idle and returns once it is, so neither's compute
+    threads polling for work land on the other's phase."""
     pids = [node.pid, node.worker]
-    settle(pids)
+    settle([*pids, *others])
     before, compute_before = thread_cpu(pids), node.compute_ns()
     count, wall = asyncio.run(streams(node.http_url, n, tokens))
     after, compute_after = thread_cpu(pids), node.compute_ns()
+    settle(pids)
     if compute_before is None or compute_after is None:
         raise RuntimeError("the pipeline floor's worker has no compute clock")
     return {"streams": n, **pipeline_figures(before, after, compute_after - compute_before, node.pid, node.worker,
@@ -716,7 +719,7 @@ def daemon_bench(stream_counts: list[int], tokens: int, rounds: int, profile: bo
                           f"CPU ms/token (server + client), the decode beside them {floor['decode_tok_s']:.1f} "
                           f"tok/s ({floor['plain_decode_tok_s']:.1f} alone)", flush=True)
             for n in stream_counts:
-                got = measure_pipeline(pipeline, n, tokens)
+                got = measure_pipeline(pipeline, n, tokens, [node.pid for node in nodes])
                 got["round"] = r
                 pipelines.append(got)
                 print(f"round {r}, pipeline floor, {n} streams: {got['tok_s']:.1f} tok/s, Python CPU ms/token "
