@@ -133,20 +133,8 @@ class Sides:
             await self.modeld_http.close()
 
     async def vllm(self, prompt: str) -> dict:
-        body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": self.tokens, "temperature": 0.0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        started, first, tokens, text = time.perf_counter(), None, 0, []
-        async with self.http.post("/v1/completions", json=body, raise_for_status=True) as reply:
-            async for line in reply.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if event.get("choices"):
-                    first = first or time.perf_counter()
-                    text.append(event["choices"][0].get("text", ""))
-                if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
-        return {"ttft_s": first - started, "tokens": tokens, "end": time.perf_counter(), "text": "".join(text)}
+        """vLLM's stream, its first token at its first chunk (gRPC races)."""
+        return await self.completion(self.http, {"model": SERVED_NAME, "prompt": prompt}, first_at_text=False)
 
     async def modeld(self, prompt: str) -> dict:
         from modeld.gen import generation_pb2 as g
@@ -161,12 +149,13 @@ class Sides:
             tokens = response.usage.completion_tokens or tokens
         return {"ttft_s": first - started, "tokens": tokens, "end": time.perf_counter(), "text": "".join(text)}
 
-    async def completion(self, session, body: dict) -> dict:
+    async def completion(self, session, body: dict, first_at_text: bool = True) -> dict:
         """One streamed OpenAI completion, the same client code for either
-        server (--protocol http): the time to first token is to the first
-        chunk with text (a token whose text is empty, such as a special one,
-        opens vLLM's stream but not modeld's, so the first text is the event
-        both streams share; greedy, both write the same text)."""
+        server: with first_at_text (--protocol http) the time to first token
+        is to the first chunk with text (a token whose text is empty, such as
+        a special one, opens vLLM's stream but not modeld's, so the first
+        text is the event both streams share; greedy, both write the same
+        text), else to the first chunk with a choice."""
         body = {**body, "max_tokens": self.tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         started, first, tokens, text = time.perf_counter(), None, 0, []
@@ -176,7 +165,7 @@ class Sides:
                     continue
                 event = json.loads(line[6:])
                 piece = "".join(c.get("text", "") for c in event.get("choices") or ())
-                if piece:
+                if piece or (event.get("choices") and not first_at_text):
                     first = first or time.perf_counter()
                     text.append(piece)
                 if event.get("usage"):

@@ -59,6 +59,21 @@ def chatml(prompt: str) -> str:
     return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
 
+def take_frames(buffer: bytearray, header: struct.Struct) -> list[tuple[tuple, bytes]]:
+    """(header fields, payload) of each whole frame at the front of buffer,
+    taken out of it; a header's last field is its payload's length."""
+    frames, at = [], 0
+    while len(buffer) - at >= header.size:
+        fields = header.unpack_from(buffer, at)
+        end = at + header.size + fields[-1]
+        if len(buffer) < end:
+            break
+        frames.append((fields, bytes(buffer[at + header.size:end])))
+        at = end
+    del buffer[:at]
+    return frames
+
+
 class FrameReader:
     """Splits the worker's byte stream into (token, request id, text)
     frames; a frame may arrive in pieces or several in one read."""
@@ -68,32 +83,14 @@ class FrameReader:
 
     def feed(self, data: bytes) -> list[tuple[int, int, str]]:
         self._buffer += data
-        frames, at = [], 0
-        while len(self._buffer) - at >= TOKEN.size:
-            token, rid, length = TOKEN.unpack_from(self._buffer, at)
-            end = at + TOKEN.size + length
-            if len(self._buffer) < end:
-                break
-            frames.append((token, rid, bytes(self._buffer[at + TOKEN.size:end]).decode("utf-8")))
-            at = end
-        del self._buffer[:at]
-        return frames
+        return [(token, rid, text.decode("utf-8")) for (token, rid, _), text in take_frames(self._buffer, TOKEN)]
 
 
 def read_requests(buffer: bytearray) -> list[dict]:
     """The whole requests at the front of buffer, taken out of it."""
     import orjson
 
-    requests, at = [], 0
-    while len(buffer) - at >= REQUEST.size:
-        (length,) = REQUEST.unpack_from(buffer, at)
-        end = at + REQUEST.size + length
-        if len(buffer) < end:
-            break
-        requests.append(orjson.loads(bytes(buffer[at + REQUEST.size:end])))
-        at = end
-    del buffer[:at]
-    return requests
+    return [orjson.loads(job) for _, job in take_frames(buffer, REQUEST)]
 
 
 # -- the worker ------------------------------------------------------------------------------
@@ -292,8 +289,8 @@ def serve(port: int, threads: int | None) -> None:
         job = orjson.dumps({"rid": rid, "prompt": chatml(request["messages"][-1]["content"]) if chat
                             else request["prompt"], "max_tokens": max_tokens,
                             "temperature": request.get("temperature", 1.0), "seed": request.get("seed", 0)})
-        created = int(time.time())
-        kind = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": "cmpl-floor", "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": "smollm2"}
         streams[rid] = queue
         try:
             await send({"type": "http.response.start", "status": 200,
@@ -305,11 +302,10 @@ def serve(port: int, threads: int | None) -> None:
                 if frame[1]:  # as modeld's stream: no chunk for a token whose text is empty
                     choice = ({"index": 0, "delta": {"content": frame[1]}, "logprobs": None, "finish_reason": None}
                               if chat else {"index": 0, "text": frame[1], "logprobs": None, "finish_reason": None})
-                    chunk = {"id": "cmpl-floor", "object": kind, "created": created, "model": "smollm2",
-                             "choices": [choice]}
+                    chunk = {**head, "choices": [choice]}
                     await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(chunk) + b"\n\n",
                                 "more_body": True})
-            usage = {"id": "cmpl-floor", "object": kind, "created": created, "model": "smollm2", "choices": [],
+            usage = {**head, "choices": [],
                      "usage": {"prompt_tokens": 0, "completion_tokens": count, "total_tokens": count}}
             await send({"type": "http.response.body", "more_body": False,
                         "body": b"data: " + orjson.dumps(usage) + b"\n\ndata: [DONE]\n\n"})
