@@ -300,7 +300,7 @@ class DataPlane:
         if not 1 <= n <= MAX_N:
             raise InvalidArgument(f"n must be in [1, {MAX_N}] (choices per request), got {n}")
         if n == 1:
-            return _tagged(self.generate(request, timeout_s))
+            return _Tagged(self.generate(request, timeout_s))
         seed = request.params.seed
         requests = [dataclasses.replace(
             request, request_id=f"{request.request_id}-{i}" if request.request_id else "",
@@ -400,12 +400,23 @@ def _load_of(status: ModelStatus, stats: ModelStats, memory_bytes: int, served: 
     return ModelLoad(status, stats, memory_bytes)
 
 
-async def _tagged(events: AsyncIterator[TokenEvent | FinalEvent]) -> AsyncIterator[tuple[int, TokenEvent | FinalEvent]]:
-    try:
-        async for event in events:
-            yield 0, event
-    finally:
-        await events.aclose()
+class _Tagged:
+    """One choice's events tagged 0: a plain iterator, not an async
+    generator, since each generator layer is resumed again for every token."""
+
+    __slots__ = ("_events",)
+
+    def __init__(self, events: AsyncIterator[TokenEvent | FinalEvent]) -> None:
+        self._events = events
+
+    def __aiter__(self) -> _Tagged:
+        return self
+
+    async def __anext__(self) -> tuple[int, TokenEvent | FinalEvent]:
+        return 0, await self._events.__anext__()
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
 
 
 _DONE = object()
