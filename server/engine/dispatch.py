@@ -299,6 +299,7 @@ class _GenerationStream:
             exc = error_for(final.error_kind, final.error)
             await self._finish(exc)
             raise exc
+        # as _first's read, inline rather than shared: a coroutine call less for every token
         try:
             if self._deadline is None:
                 event = await self._events.__anext__()
