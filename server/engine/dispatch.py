@@ -255,15 +255,14 @@ class _GenerationStream:
     (six pass-through layers cost about 10 us of the daemon's CPU a token
     at 8 streams here, bench_token_cpu)."""
 
-    __slots__ = ("_dispatch", "_request", "_timeout_s", "_state", "_holds_stream", "_stats", "_served", "_events",
+    __slots__ = ("_dispatch", "_request", "_timeout_s", "_state", "_stats", "_served", "_events",
                  "_started", "_deadline", "_counted", "_failure", "_loop")
 
     _NEW, _STREAMING, _DONE = 0, 1, 2
 
     def __init__(self, dispatch: Dispatcher, request: GenerateRequest, timeout_s: float | None) -> None:
         self._dispatch, self._request, self._timeout_s = dispatch, request, timeout_s
-        self._state = self._NEW
-        self._holds_stream = False
+        self._state = self._NEW  # STREAMING from taking a stream slot until _finish gives it back
         self._stats = None  # the call's figures (Dispatcher.begin_counting)
         self._served: ServedModel | None = None  # the model this attempt holds memory on
         self._events = None  # that model's stream
@@ -325,7 +324,6 @@ class _GenerationStream:
             raise ResourceExhausted(f"daemon stream limit {dispatch.max_streams} reached "
                                     f"(max_streams={dispatch.max_streams}); retry later or on another node")
         dispatch.num_streams += 1
-        self._holds_stream = True
         self._loop = asyncio.get_running_loop()
         self._state = self._STREAMING  # from here on _finish lets everything go
         try:
@@ -407,16 +405,15 @@ class _GenerationStream:
 
     async def _finish(self, exc: BaseException | None) -> None:
         """The call's end, once, however it ends."""
-        if self._state == self._DONE:
+        if self._state != self._STREAMING:  # never started, or finished already
+            self._state = self._DONE
             return
         self._state = self._DONE
         try:
             await self._let_go(exc)
         finally:
             self._dispatch.end_counting(self._stats, exc)
-            if self._holds_stream:
-                self._holds_stream = False
-                self._dispatch.num_streams -= 1
+            self._dispatch.num_streams -= 1
 
 
 def check_version(name: str, version: str) -> None:
