@@ -14,6 +14,7 @@ base's channel.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import os
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 import structlog
 
@@ -136,7 +137,7 @@ class WorkerProcess:
         self._out = FrameProtocol(self._dispatch, self._lost)
         self._ids = itertools.count(1)
         self._calls: dict[int, asyncio.Future] = {}
-        self._streams: dict[int, asyncio.Queue] = {}
+        self._streams: dict[int, _Inbox] = {}
         self.death: Unavailable | None = None  # set once the worker is gone
         self.exiting = False  # we asked it to end: its end is no death
         self.on_death: Callable[[str], None] | None = None
@@ -187,32 +188,12 @@ class WorkerProcess:
         finally:
             self._calls.pop(rid, None)
 
-    async def stream(self, request: GenerateRequest, adapter: str = "") -> AsyncIterator[TokenEvent | FinalEvent]:
-        """A generation in the worker, on its base or (`adapter`) a LoRA adapter resident there."""
-        if self.death is not None or self._out.closed:
-            await self._raise_death()
-        rid = next(self._ids)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = queue
-        finished = False
-        try:
-            self._out.send(("generate", rid, request, adapter) if adapter else ("generate", rid, request))
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if isinstance(item, FinalEvent):
-                    finished = True
-                    return
-        finally:
-            self._streams.pop(rid, None)
-            if not finished and self.death is None:
-                try:
-                    self._out.send(("cancel", rid))  # the caller left: free the sequence in the worker
-                except ConnectionError:
-                    pass
+    def stream(self, request: GenerateRequest, adapter: str = "") -> _WorkerStream:
+        """A generation in the worker, on its base or (`adapter`) a LoRA
+        adapter resident there: its events, as an async iterator. Nothing
+        is sent before the first read; leaving it (aclose, an error or a
+        cancel while waiting, or dropping it) cancels the sequence there."""
+        return _WorkerStream(self, ("generate", -1, request, adapter) if adapter else ("generate", -1, request))
 
     # -- the reader ------------------------------------------------------------------
 
@@ -276,8 +257,8 @@ class WorkerProcess:
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(self.death)
-        for queue in self._streams.values():
-            queue.put_nowait(self.death)
+        for inbox in self._streams.values():
+            inbox.put_nowait(self.death)
         if not self.exiting and self.on_death is not None:
             self.on_death(how)
 
@@ -304,6 +285,115 @@ class WorkerProcess:
         if self._ended_task is None:  # its socket may not have reported the end yet
             self._lost(None)
         await asyncio.gather(self._ended_task, return_exceptions=True)
+
+
+class _Inbox:
+    """What the channel's reader hands one generation (put_nowait, on the
+    event loop) until its stream reads it: lighter than an asyncio.Queue,
+    whose get is one more coroutine for every token. The worker's table
+    holds this, not the stream, so a stream its caller dropped is collected
+    (and cancels its sequence)."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: collections.deque = collections.deque()
+        self.waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item: TokenEvent | FinalEvent | BaseException) -> None:
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class _WorkerStream:
+    """One generation's events from the worker: an async iterator object
+    rather than an async generator, whose every layer is resumed again for
+    each token, and this one sits under every token a worker streams."""
+
+    __slots__ = ("_worker", "_message", "_rid", "_inbox", "_state", "_loop")
+
+    _NEW, _OPEN, _DONE = 0, 1, 2
+
+    def __init__(self, worker: WorkerProcess, message: tuple) -> None:
+        self._worker, self._message = worker, message
+        self._rid = 0
+        self._inbox = _Inbox()
+        self._state = self._NEW
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def __del__(self) -> None:
+        # dropped while open: cancel the sequence from the loop, as asyncio
+        # finalizes an async generator left suspended
+        if self._state == self._OPEN and self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(_end_stream, self._worker, self._rid, False)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+    def __aiter__(self) -> _WorkerStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent | FinalEvent:
+        if self._state != self._OPEN:
+            if self._state == self._DONE:
+                raise StopAsyncIteration
+            await self._open()
+        inbox = self._inbox
+        items = inbox.items
+        while not items:
+            inbox.waiter = waiter = self._loop.create_future()
+            try:
+                await waiter
+            except BaseException:  # cancelled while waiting: the sequence ends in the worker too
+                self._end(False)
+                raise
+            finally:
+                inbox.waiter = None
+        item = items.popleft()
+        if isinstance(item, BaseException):
+            self._end(True)
+            raise item
+        if isinstance(item, FinalEvent):
+            self._end(True)
+        return item
+
+    async def aclose(self) -> None:
+        if self._state == self._NEW:
+            self._state = self._DONE
+        self._end(False)
+
+    async def _open(self) -> None:
+        worker = self._worker
+        if worker.death is not None or worker._out.closed:
+            self._state = self._DONE
+            await worker._raise_death()
+        self._rid = rid = next(worker._ids)
+        worker._streams[rid] = self._inbox
+        self._loop = asyncio.get_running_loop()
+        self._state = self._OPEN
+        message, self._message = self._message, None
+        try:
+            worker._out.send((message[0], rid, *message[2:]))
+        except BaseException:
+            self._end(False)
+            raise
+
+    def _end(self, finished: bool) -> None:
+        if self._state == self._OPEN:
+            self._state = self._DONE
+            _end_stream(self._worker, self._rid, finished)
+
+
+def _end_stream(worker: WorkerProcess, rid: int, finished: bool) -> None:
+    """A stream's end: off the worker's table, and cancelled there unless it finished."""
+    worker._streams.pop(rid, None)
+    if not finished and worker.death is None:
+        try:
+            worker._out.send(("cancel", rid))  # the caller left: free the sequence in the worker
+        except ConnectionError:
+            pass
 
 
 class _WorkerModelMixin:
