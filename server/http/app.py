@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modeld.server.dataplane import DRAINING_MESSAGE, DataPlane
 from modeld.server.http import kserve, openai_api, rerank_api
-from modeld.server.http.common import ConcurrencyLimit
+from modeld.server.http.common import BODY_SEND, ConcurrencyLimit
 from modeld.server.request_context import REQUEST_ID_HEADER, begin_call
 
 
@@ -52,13 +52,24 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+class _App(Starlette):
+    """Starlette, leaving the server's send in the scope (common.BODY_SEND)
+    for event streams' body chunks. Middlewares added here may rewrite a
+    response's start, never its body: an event stream's chunks pass them by."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[BODY_SEND] = send
+        await super().__call__(scope, receive, send)
+
+
 def build_app(plane: DataPlane, max_message_bytes: int | None = None, authenticator=None,
               max_concurrency: int = 0) -> Starlette:
     """Every front's routes behind the request-id middleware (and the token
     check when the daemon has a token file, and the cap on requests in
     progress when `max_concurrency` is set)."""
     routes = [*kserve.routes(plane), *openai_api.routes(plane), *rerank_api.routes(plane)]
-    app = Starlette(routes=routes)
+    app = _App(routes=routes)
     app.state.max_message_bytes = max_message_bytes
     app.state.plane = plane  # read_body applies its models' request size caps
     if max_concurrency:

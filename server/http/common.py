@@ -142,6 +142,12 @@ class ClientGone(Exception):
     """The client disconnected before the answer was ready."""
 
 
+# The scope key under which app.py's application leaves the server's own
+# send, outside every middleware: an event stream's body chunks go there
+# (openai_chat._EventStream), its start through the middlewares.
+BODY_SEND = "modeld.body_send"
+
+
 async def unless_client_leaves(request: Request, awaitable):
     """Await `awaitable`; if the client disconnects first, cancel it (a queued
     request leaves its queue, a sequence the batch: nobody will read the

@@ -15,7 +15,7 @@ from modeld.backends.errors import Cancelled, InvalidArgument, NotFound, Unavail
 from modeld.backends.generation.params import FinalEvent, FinishReason, GenerateRequest, TokenEvent
 from modeld.backends.model_config import ToolParser
 from modeld.server.dataplane import DataPlane
-from modeld.server.http.common import unless_client_leaves
+from modeld.server.http.common import BODY_SEND, unless_client_leaves
 from modeld.server.http.jsonenc import dumps, sse_event
 from modeld.server.http.openai_fields import FieldError, error_response, model_name, priority
 from modeld.server.http.openai_sampling import GenerationFields, generation_fields
@@ -102,25 +102,46 @@ def _finish_reason(final: FinalEvent) -> str:
     return reason
 
 
-async def _events(plane: DataPlane, request: GenerateRequest, n: int,
-                  constraint_field: str | None) -> AsyncIterator[tuple[int, TokenEvent | FinalEvent]]:
-    """The engine's events of n choices, tagged with the choice, without
-    the final event of a failure (the engine raises that failure right
-    after it). A constraint the engine cannot compile is refused before
-    any token, named by the field the client sent it in."""
-    events = plane.generate_choices(request, n)
-    started = False
+def _open(plane: DataPlane, request: GenerateRequest, n: int):
+    """(events, tagged): one choice's events as the engine streams them, or
+    n choices' merged and tagged with their index. One choice, nearly every
+    request, skips the tagging layer, which would be resumed for every token."""
+    if n == 1:
+        return plane.generate(request), False
+    return plane.generate_choices(request, n), True
+
+
+def _field_error(exc: InvalidArgument, constraint_field: str | None) -> InvalidArgument:
+    """A constraint the engine cannot compile, before any token: named by
+    the field the client sent it in."""
+    if constraint_field is None or " constraint " not in f" {exc} ":
+        return exc
+    return FieldError(constraint_field, f"{constraint_field}: {exc}")
+
+
+async def _first(events, tagged: bool, constraint_field: str | None) -> tuple[int, TokenEvent | FinalEvent]:
+    """The first event to send, tagged with its choice (a failure's final
+    event is skipped: the engine raises that failure right after it)."""
     try:
-        try:
-            async for index, event in events:
-                if isinstance(event, FinalEvent) and event.error:
-                    continue
-                started = True
-                yield index, event
-        except InvalidArgument as exc:
-            if started or constraint_field is None or " constraint " not in f" {exc} ":
-                raise
-            raise FieldError(constraint_field, f"{constraint_field}: {exc}") from None
+        while True:
+            item = await anext(events)
+            index, event = item if tagged else (0, item)
+            if not (isinstance(event, FinalEvent) and event.error):
+                return index, event
+    except InvalidArgument as exc:
+        raise _field_error(exc, constraint_field) from None
+
+
+async def _events(events, tagged: bool,
+                  constraint_field: str | None) -> AsyncIterator[tuple[int, TokenEvent | FinalEvent]]:
+    """Every event of a JSON answer, tagged, as _first takes the first."""
+    try:
+        while True:
+            try:
+                yield await _first(events, tagged, constraint_field)
+            except StopAsyncIteration:
+                return
+            constraint_field = None  # named only before the first token
     finally:
         # whoever stops early (a client that left, an error) frees the sequences now
         await events.aclose()
@@ -140,15 +161,31 @@ class _EventStream(StreamingResponse):
     """Server-sent events whose producer is closed however the response
     ends: on a client disconnect starlette either cancels the producer or
     (ASGI 2.4 servers) just stops iterating it, which alone would leave the
-    generation running."""
+    generation running.
+
+    The response's start goes through every middleware (they add headers);
+    its body chunks go straight to the server's own send where app.py's
+    application left it in the scope (BODY_SEND): no middleware here
+    changes a body, and each wrapper (four of them: starlette's error and
+    exception handlers, the route's, the request id's) is another coroutine
+    for every token."""
 
     media_type = "text/event-stream"
+    _body_send = None
 
     async def __call__(self, scope, receive, send) -> None:
+        self._body_send = scope.get(BODY_SEND)
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+
+    async def stream_response(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        body_send = self._body_send or send
+        async for chunk in self.body_iterator:
+            await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await body_send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _sse(payload: dict | str) -> bytes:
@@ -208,21 +245,22 @@ class _Generation:
     async def respond(self) -> Response:
         if self.echo and not self.prompt_text:  # a prompt of token ids echoes as its text
             self.prompt_text = await self.plane.detokenize(self.model, list(self.request.token_ids))
-        events = _events(self.plane, self.request, self.best_of, self.constraint_field)
+        events, tagged = _open(self.plane, self.request, self.best_of)
         if not self.stream:
+            whole = _events(events, tagged, self.constraint_field)
             try:
-                return JSONResponse(await unless_client_leaves(self.http, self._whole(events)))
+                return JSONResponse(await unless_client_leaves(self.http, self._whole(whole)))
             finally:
-                await events.aclose()
+                await whole.aclose()
         # errors before the first token (unknown model, prompt too long)
         # still get their HTTP status: the stream starts after it
         try:
-            first = await unless_client_leaves(self.http, anext(events))
+            first = await unless_client_leaves(self.http, _first(events, tagged, self.constraint_field))
         except BaseException:
             await events.aclose()
             raise
-        return _EventStream(self._chunks(first, events), headers={"cache-control": "no-cache",
-                                                                  "x-accel-buffering": "no"})
+        return _EventStream(self._chunks(first, events, tagged), headers={"cache-control": "no-cache",
+                                                                          "x-accel-buffering": "no"})
 
     # -- one JSON answer
 
@@ -295,7 +333,9 @@ class _Generation:
                         self._chunk(None, value, None, None, index))
         return frame[0] + dumps(value) + frame[1]
 
-    async def _chunks(self, first, events) -> AsyncIterator[bytes]:
+    async def _chunks(self, first, events, tagged: bool) -> AsyncIterator[bytes]:
+        """The stream's chunks; events read here directly (not through
+        _events), one generator layer less for every token."""
         offsets = [0] * self.n
         finals: dict[int, FinalEvent] = {}
         readers = [self._reader() for _ in range(self.n)] if self.chat else []
@@ -341,7 +381,11 @@ class _Generation:
                     else:
                         yield _sse(self._chunk(None, event.text, logprobs, None, index))
                     offsets[index] += len(event.text)
-                index, event = await anext(events)
+                while True:  # a failure's final event is skipped: the engine raises the failure next
+                    item = await events.__anext__()
+                    index, event = item if tagged else (0, item)
+                    if not (isinstance(event, FinalEvent) and event.error):
+                        break
         except StopAsyncIteration:
             yield _error_event(Unavailable("the generation ended without a final event; retry"), self.plane,
                                self.model)

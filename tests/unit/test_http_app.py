@@ -103,3 +103,47 @@ def test_build_app_mounts_both_fronts(monkeypatch):
     with TestClient(app) as client:
         assert client.get("/v1/ping").text == "pong"
         assert client.get("/v2/health/live").json() == {"live": True}
+
+
+def test_an_event_streams_start_passes_the_middlewares_and_its_chunks_go_to_the_servers_send(monkeypatch):
+    from modeld.server.http.openai_chat import _EventStream
+
+    async def chunks():
+        for i in range(3):
+            yield f"data: {i}\n\n".encode()
+
+    async def events(request):
+        return _EventStream(chunks())
+
+    monkeypatch.setattr(openai_api, "routes", lambda plane: [Route("/v1/events", events)])
+    app = http_app.build_app(DataPlane(engine=None, lifecycle=Lifecycle()), max_message_bytes=1024)
+    seen = []
+
+    class Recorder:  # a middleware inside the request-id one, as the token check and the cap are
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            async def recorded(message):
+                seen.append(message["type"])
+                await send(message)
+            await self.app(scope, receive, recorded)
+
+    app.add_middleware(Recorder)
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        await asyncio.sleep(3600)  # the client stays until the stream ends
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "GET", "scheme": "http", "path": "/v1/events", "raw_path": b"/v1/events",
+             "query_string": b"", "root_path": "", "headers": [(b"x-request-id", b"ev-1")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and (b"x-request-id", b"ev-1") in sent[0]["headers"]
+    assert [m["body"] for m in sent[1:]] == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b""]
+    assert [m["more_body"] for m in sent[1:]] == [True, True, True, False]
+    assert seen == ["http.response.start"]
