@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable, Mapping
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Send
 
 from modeld.backends.errors import Cancelled, InvalidArgument, NotFound, Unavailable
 from modeld.backends.generation.params import FinalEvent, FinishReason, GenerateRequest, TokenEvent
@@ -158,10 +159,12 @@ class _Choice:
 
 
 class _EventStream(StreamingResponse):
-    """Server-sent events whose producer is closed however the response
-    ends: on a client disconnect starlette either cancels the producer or
-    (ASGI 2.4 servers) just stops iterating it, which alone would leave the
-    generation running.
+    """Server-sent events written by a producer, `produce(send)`, that
+    sends each body chunk itself rather than yielding it to starlette's
+    loop: an async generator between the events and the socket is one more
+    layer resumed for every token. `close` runs however the response ends
+    (a client that left: starlette cancels the producer; a response never
+    started), so the generation never outlives it.
 
     The response's start goes through every middleware (they add headers);
     its body chunks go straight to the server's own send where app.py's
@@ -171,21 +174,31 @@ class _EventStream(StreamingResponse):
     for every token."""
 
     media_type = "text/event-stream"
-    _body_send = None
+
+    def __init__(self, produce: Callable[[Send], Awaitable[None]], close: Callable[[], Awaitable[None]],
+                 headers: Mapping[str, str] | None = None) -> None:
+        # StreamingResponse's own __init__ wants a body iterator; this has none
+        self._produce, self._close = produce, close
+        self._body_send = None
+        self.status_code, self.background = 200, None
+        self.init_headers(headers)
 
     async def __call__(self, scope, receive, send) -> None:
         self._body_send = scope.get(BODY_SEND)
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            await self._close()
 
     async def stream_response(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         body_send = self._body_send or send
-        async for chunk in self.body_iterator:
-            await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await self._produce(body_send)
         await body_send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _body(chunk: bytes) -> dict:
+    return {"type": "http.response.body", "body": chunk, "more_body": True}
 
 
 def _sse(payload: dict | str) -> bytes:
@@ -259,8 +272,8 @@ class _Generation:
         except BaseException:
             await events.aclose()
             raise
-        return _EventStream(self._chunks(first, events, tagged), headers={"cache-control": "no-cache",
-                                                                          "x-accel-buffering": "no"})
+        return _EventStream(lambda send: self._send_chunks(send, first, events, tagged), events.aclose,
+                            headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     # -- one JSON answer
 
@@ -333,18 +346,18 @@ class _Generation:
                         self._chunk(None, value, None, None, index))
         return frame[0] + dumps(value) + frame[1]
 
-    async def _chunks(self, first, events, tagged: bool) -> AsyncIterator[bytes]:
-        """The stream's chunks; events read here directly (not through
-        _events), one generator layer less for every token."""
+    async def _send_chunks(self, send: Send, first, events, tagged: bool) -> None:
+        """The stream's chunks, each sent as it is made; events read here
+        directly (not through _events), a generator layer less for every token."""
         offsets = [0] * self.n
         finals: dict[int, FinalEvent] = {}
         readers = [self._reader() for _ in range(self.n)] if self.chat else []
         try:
             for index in range(self.n):
                 if self.chat:
-                    yield _sse(self._chunk({"role": "assistant", "content": ""}, "", None, None, index))
+                    await send(_body(_sse(self._chunk({"role": "assistant", "content": ""}, "", None, None, index))))
                 elif self.echo:
-                    yield _sse(self._chunk(None, self.prompt_text, None, None, index))
+                    await send(_body(_sse(self._chunk(None, self.prompt_text, None, None, index))))
                     offsets[index] = len(self.prompt_text)
             index, event = first
             while True:
@@ -353,14 +366,15 @@ class _Generation:
                     reason = _finish_reason(event)
                     if self.chat:
                         for delta in readers[index].finish():
-                            yield _sse(self._chunk(delta, "", None, None, index))
+                            await send(_body(_sse(self._chunk(delta, "", None, None, index))))
                         reason = readers[index].finish_reason(reason)
-                    yield _sse(self._chunk({}, "", None, reason, index))
+                    await send(_body(_sse(self._chunk({}, "", None, reason, index))))
                     if len(finals) == self.n:
                         if self.include_usage:
-                            yield _sse({**self._chunk(None, "", None, None), "choices": [],
-                                        "usage": _usage([finals[i] for i in range(self.n)])})
-                        yield _sse("[DONE]")
+                            usage = {**self._chunk(None, "", None, None), "choices": [],
+                                     "usage": _usage([finals[i] for i in range(self.n)])}
+                            await send(_body(_sse(usage)))
+                        await send(_body(_sse("[DONE]")))
                         return
                 elif event.text or self.with_logprobs:  # else text held back (part of a character or a stop string)
                     logprobs = None
@@ -373,13 +387,13 @@ class _Generation:
                         deltas = readers[index].feed(event.text) or ([{}] if logprobs else [])
                         for i, delta in enumerate(deltas):
                             if logprobs is None or i:
-                                yield self._plain_event(index, delta)
+                                await send(_body(self._plain_event(index, delta)))
                             else:
-                                yield _sse(self._chunk(delta, "", logprobs, None, index))
+                                await send(_body(_sse(self._chunk(delta, "", logprobs, None, index))))
                     elif logprobs is None:
-                        yield self._plain_event(index, event.text)
+                        await send(_body(self._plain_event(index, event.text)))
                     else:
-                        yield _sse(self._chunk(None, event.text, logprobs, None, index))
+                        await send(_body(_sse(self._chunk(None, event.text, logprobs, None, index))))
                     offsets[index] += len(event.text)
                 while True:  # a failure's final event is skipped: the engine raises the failure next
                     item = await events.__anext__()
@@ -387,10 +401,10 @@ class _Generation:
                     if not (isinstance(event, FinalEvent) and event.error):
                         break
         except StopAsyncIteration:
-            yield _error_event(Unavailable("the generation ended without a final event; retry"), self.plane,
-                               self.model)
+            ended = Unavailable("the generation ended without a final event; retry")
+            await send(_body(_error_event(ended, self.plane, self.model)))
         except Exception as exc:  # noqa: BLE001 - the client gets it as an error event
-            yield _error_event(exc, self.plane, self.model)
+            await send(_body(_error_event(exc, self.plane, self.model)))
         finally:
             await events.aclose()
 

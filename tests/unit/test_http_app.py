@@ -108,12 +108,17 @@ def test_build_app_mounts_both_fronts(monkeypatch):
 def test_an_event_streams_start_passes_the_middlewares_and_its_chunks_go_to_the_servers_send(monkeypatch):
     from modeld.server.http.openai_chat import _EventStream
 
-    async def chunks():
+    closed = []
+
+    async def produce(send):
         for i in range(3):
-            yield f"data: {i}\n\n".encode()
+            await send({"type": "http.response.body", "body": f"data: {i}\n\n".encode(), "more_body": True})
+
+    async def close():
+        closed.append(True)
 
     async def events(request):
-        return _EventStream(chunks())
+        return _EventStream(produce, close)
 
     monkeypatch.setattr(openai_api, "routes", lambda plane: [Route("/v1/events", events)])
     app = http_app.build_app(DataPlane(engine=None, lifecycle=Lifecycle()), max_message_bytes=1024)
@@ -146,4 +151,4 @@ def test_an_event_streams_start_passes_the_middlewares_and_its_chunks_go_to_the_
     assert sent[0]["type"] == "http.response.start" and (b"x-request-id", b"ev-1") in sent[0]["headers"]
     assert [m["body"] for m in sent[1:]] == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b""]
     assert [m["more_body"] for m in sent[1:]] == [True, True, True, False]
-    assert seen == ["http.response.start"]
+    assert seen == ["http.response.start"] and closed == [True]
