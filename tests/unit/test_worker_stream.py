@@ -10,8 +10,9 @@ import itertools
 
 import pytest
 
-from modeld.backends.errors import Unavailable
+from modeld.backends.errors import InvalidArgument, Unavailable
 from modeld.backends.generation.params import FinalEvent, FinishReason, GenerateRequest, TokenEvent, Usage
+from modeld.server.workers.main import error_reply
 from modeld.server.workers.stand_in import WorkerProcess
 from polling import wait_until_async
 
@@ -42,6 +43,14 @@ def _ops(worker: WorkerProcess) -> list[tuple]:
     return [(m[0], m[1]) for m in worker._out.sent]
 
 
+async def _reading(worker: WorkerProcess, adapter: str = ""):
+    """A new stream and its first read in flight, once the worker was asked."""
+    stream = worker.stream(REQUEST, adapter=adapter)
+    reading = asyncio.ensure_future(anext(stream))
+    await wait_until_async(lambda: worker._streams)
+    return stream, reading
+
+
 async def test_a_whole_stream_sends_nothing_before_its_first_read_and_ends_at_the_final_event():
     worker = _worker()
     stream = worker.stream(REQUEST)
@@ -61,9 +70,7 @@ async def test_a_whole_stream_sends_nothing_before_its_first_read_and_ends_at_th
 
 async def test_an_adapters_stream_names_the_adapter():
     worker = _worker()
-    stream = worker.stream(REQUEST, adapter="tone")
-    reading = asyncio.ensure_future(anext(stream))
-    await wait_until_async(lambda: worker._streams)
+    _, reading = await _reading(worker, adapter="tone")
     assert worker._out.sent == [("generate", 1, REQUEST, "tone")]
     worker._dispatch(("event", 1, FINAL))
     assert await reading == FINAL
@@ -71,9 +78,7 @@ async def test_an_adapters_stream_names_the_adapter():
 
 async def test_leaving_midway_cancels_the_sequence_in_the_worker_once():
     worker = _worker()
-    stream = worker.stream(REQUEST)
-    reading = asyncio.ensure_future(anext(stream))
-    await wait_until_async(lambda: worker._streams)
+    stream, reading = await _reading(worker)
     worker._dispatch(("token", 1, (5,), "a"))
     assert await reading == TokenEvent((5,), "a")
     await stream.aclose()
@@ -86,9 +91,7 @@ async def test_leaving_midway_cancels_the_sequence_in_the_worker_once():
 
 async def test_a_consumer_cancelled_while_waiting_cancels_the_sequence():
     worker = _worker()
-    stream = worker.stream(REQUEST)
-    reading = asyncio.ensure_future(anext(stream))
-    await wait_until_async(lambda: worker._streams)
+    stream, reading = await _reading(worker)
     reading.cancel()
     with pytest.raises(asyncio.CancelledError):
         await reading
@@ -97,9 +100,7 @@ async def test_a_consumer_cancelled_while_waiting_cancels_the_sequence():
 
 async def test_a_stream_dropped_unfinished_is_cancelled_from_the_loop():
     worker = _worker()
-    stream = worker.stream(REQUEST)
-    reading = asyncio.ensure_future(anext(stream))
-    await wait_until_async(lambda: worker._streams)
+    stream, reading = await _reading(worker)
     worker._dispatch(("token", 1, (5,), "a"))
     await reading
     del stream, reading
@@ -119,17 +120,13 @@ async def test_a_closed_before_reading_stream_sends_nothing():
 
 async def test_a_remote_error_and_the_workers_death_end_the_stream_with_their_reason():
     worker = _worker()
-    stream = worker.stream(REQUEST)
-    reading = asyncio.ensure_future(anext(stream))
-    await wait_until_async(lambda: worker._streams)
-    worker._dispatch(("error", 1, "InvalidArgument", "invalid_argument", "the prompt is too long"))
-    with pytest.raises(Exception, match="the prompt is too long"):
+    _, reading = await _reading(worker)
+    worker._dispatch(error_reply(1, InvalidArgument("the prompt is too long")))  # as the worker sends it
+    with pytest.raises(InvalidArgument, match="the prompt is too long"):
         await reading
     assert worker._streams == {} and _ops(worker) == [("generate", 1)]
 
-    other = worker.stream(REQUEST)
-    reading = asyncio.ensure_future(anext(other))
-    await wait_until_async(lambda: worker._streams)
+    _, reading = await _reading(worker)
     death = Unavailable("worker died")
     worker.death = death
     for inbox in worker._streams.values():  # as _ended hands it to every stream
