@@ -193,7 +193,7 @@ class WorkerProcess:
         adapter resident there: its events, as an async iterator. Nothing
         is sent before the first read; leaving it (aclose, an error or a
         cancel while waiting, or dropping it) cancels the sequence there."""
-        return _WorkerStream(self, ("generate", -1, request, adapter) if adapter else ("generate", -1, request))
+        return _WorkerStream(self, request, adapter)
 
     # -- the reader ------------------------------------------------------------------
 
@@ -312,12 +312,12 @@ class _WorkerStream:
     rather than an async generator, whose every layer is resumed again for
     each token, and this one sits under every token a worker streams."""
 
-    __slots__ = ("_worker", "_message", "_rid", "_inbox", "_state", "_loop")
+    __slots__ = ("_worker", "_request", "_adapter", "_rid", "_inbox", "_state", "_loop")
 
     _NEW, _OPEN, _DONE = 0, 1, 2
 
-    def __init__(self, worker: WorkerProcess, message: tuple) -> None:
-        self._worker, self._message = worker, message
+    def __init__(self, worker: WorkerProcess, request: GenerateRequest, adapter: str) -> None:
+        self._worker, self._request, self._adapter = worker, request, adapter
         self._rid = 0
         self._inbox = _Inbox()
         self._state = self._NEW
@@ -373,9 +373,9 @@ class _WorkerStream:
         worker._streams[rid] = self._inbox
         self._loop = asyncio.get_running_loop()
         self._state = self._OPEN
-        message, self._message = self._message, None
+        request, self._request = self._request, None  # held no longer than needed
         try:
-            worker._out.send((message[0], rid, *message[2:]))
+            worker._out.send(("generate", rid, request, self._adapter) if self._adapter else ("generate", rid, request))
         except BaseException:
             self._end(False)
             raise
